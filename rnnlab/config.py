@@ -1,0 +1,243 @@
+"""Typed, validated configuration: the one library module that touches OmegaConf.
+
+`from_omegaconf` turns Hydra's composed `DictConfig` into frozen dataclasses and
+checks every value before anything is compiled. Every problem is a `ConfigError`
+whose one-line message names the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Mapping, Optional
+
+CELLS = ("rnn",)
+INITS = ("uniform", "orthogonal", "identity", "default")
+ACTIVATIONS = ("tanh", "relu")
+TASKS = ("adding", "copy")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+SCHEDULES = ("cosine", "constant")
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+
+# Shortest sequence each task is defined for (adding needs room for two markers).
+MIN_SEQ_LEN = {"adding": 2, "copy": 1}
+
+
+class ConfigError(ValueError):
+    """A config value is missing, misspelt, mistyped or out of range."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    cell: str
+    hidden_dim: int
+    num_layers: int
+    init: str
+    activation: str
+    scan_layers: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    task: str
+    seq_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    name: str
+    lr: float
+    schedule: str
+    warmup_steps: int
+    end_lr_ratio: float
+    clip_norm: float
+    weight_decay: float
+    momentum: float
+    b1: float
+    b2: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceConfig:
+    platform: str
+    num_devices: Optional[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int
+    keep: int
+    resume: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    seed: int
+    steps: int
+    batch_size: int
+    hidden_dim: int
+    num_layers: int
+    log_every: int
+    eval_every: int
+    eval_batches: int
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig
+    device: DeviceConfig
+    checkpoint: CheckpointConfig
+
+
+def from_omegaconf(cfg: Any) -> Config:
+    """DictConfig (Hydra's composed config, `hydra` node excluded) -> validated `Config`."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot resolve the config: {e}".splitlines()[0]) from None
+    return from_dict(container)
+
+
+def from_dict(values: Mapping[str, Any]) -> Config:
+    """Plain nested dict -> validated `Config` (the test-friendly twin of `from_omegaconf`)."""
+    values = {k: v for k, v in values.items() if k != "hydra"}
+    config = _build(Config, values, prefix="")
+    validate(config)
+    return config
+
+
+def replace(config: Config, **overrides: Any) -> Config:
+    """A copy of `config` with dotted keys replaced, validated: replace(c, **{"model.init": "identity"})."""
+    values = to_dict(config)
+    for dotted, value in overrides.items():
+        node = values
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        if leaf not in node:
+            raise ConfigError(f"unknown key '{dotted}'")
+        node[leaf] = value
+    return from_dict(values)
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """{'model.hidden_dim': 64, ...}: the flat view used for TensorBoard's HParams."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Mapping[str, Any], prefix: str) -> None:
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk(to_dict(config), "")
+    return flat
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if args:  # Optional[X]
+        return f"{args[0].__name__} or null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(value, inner, key)
+    ok = (
+        (tp is bool and isinstance(value, bool))
+        or (tp is int and isinstance(value, int) and not isinstance(value, bool))
+        or (tp is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+        or (tp is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(f"key '{key}': got {value!r}, expected {_type_name(tp)}")
+    return float(value) if tp is float else value
+
+
+def _build(cls: type, values: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "the config"
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"key '{where}': expected a group of keys, got {values!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}' (allowed in {where}: {', '.join(names)})")
+    kwargs = {}
+    for name in names:
+        key = prefix + name
+        if name not in values:
+            raise ConfigError(f"missing key '{key}'")
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, values[name], prefix=key + ".")
+        else:
+            kwargs[name] = _coerce(values[name], tp, key)
+    return cls(**kwargs)
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"key '{key}': got {value!r}, allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"key '{key}': got {value!r}, must be > 0")
+
+
+def _non_negative(key: str, value: float) -> None:
+    if value < 0:
+        raise ConfigError(f"key '{key}': got {value!r}, must be >= 0")
+
+
+def validate(c: Config) -> None:
+    """Range and choice checks; raises ConfigError on the first problem."""
+    for key in ("steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches"):
+        _positive(key, getattr(c, key))
+    _non_negative("seed", c.seed)
+
+    m = c.model
+    _choice("model.cell", m.cell, CELLS)
+    _positive("model.hidden_dim", m.hidden_dim)
+    _positive("model.num_layers", m.num_layers)
+    _choice("model.init", m.init, INITS)
+    _choice("model.activation", m.activation, ACTIVATIONS)
+
+    _choice("data.task", c.data.task, TASKS)
+    min_len = MIN_SEQ_LEN[c.data.task]
+    if c.data.seq_len < min_len:
+        raise ConfigError(f"key 'data.seq_len': got {c.data.seq_len}, the {c.data.task} task needs >= {min_len}")
+
+    o = c.optimizer
+    _choice("optimizer.name", o.name, OPTIMIZERS)
+    _positive("optimizer.lr", o.lr)
+    _choice("optimizer.schedule", o.schedule, SCHEDULES)
+    _non_negative("optimizer.warmup_steps", o.warmup_steps)
+    _non_negative("optimizer.clip_norm", o.clip_norm)
+    _non_negative("optimizer.weight_decay", o.weight_decay)
+    if not 0.0 <= o.end_lr_ratio <= 1.0:
+        raise ConfigError(f"key 'optimizer.end_lr_ratio': got {o.end_lr_ratio}, must be in [0, 1]")
+    for key in ("momentum", "b1", "b2"):
+        value = getattr(o, key)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"key 'optimizer.{key}': got {value}, must be in [0, 1)")
+
+    _choice("device.platform", c.device.platform, PLATFORMS)
+    if c.device.num_devices is not None:
+        _positive("device.num_devices", c.device.num_devices)
+
+    _non_negative("checkpoint.every", c.checkpoint.every)
+    _positive("checkpoint.keep", c.checkpoint.keep)

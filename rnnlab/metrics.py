@@ -1,0 +1,96 @@
+"""TensorBoard scalars and hyper-parameters, the throughput clock, and results.json."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from tensorboardX import SummaryWriter
+from tensorboardX.summary import hparams as hparams_summaries
+
+# The final values the HParams dashboard shows beside each run's hyper-parameters.
+HPARAM_METRIC_TAGS = ("eval/loss", "train/loss", "perf/tokens_per_sec")
+
+
+class MetricWriter:
+    """tensorboardX writer for one run directory's `tensorboard/` folder.
+
+    `purge_step`: when resuming at step s, pass s + 1 so TensorBoard drops the events
+    that the interrupted run wrote after its last checkpoint instead of doubling them.
+    """
+
+    def __init__(self, logdir: Path, purge_step: int | None = None):
+        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, flush_secs=30)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float | None]) -> None:
+        for tag, value in scalars.items():
+            if value is not None:
+                self._writer.add_scalar(tag, float(value), global_step=step)
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Register the run with the HParams plugin (its metrics are the HPARAM_METRIC_TAGS scalars)."""
+        values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
+        experiment, session_start, _ = hparams_summaries(values, {tag: 0.0 for tag in HPARAM_METRIC_TAGS})
+        file_writer = self._writer._get_file_writer()
+        file_writer.add_summary(experiment)
+        file_writer.add_summary(session_start)
+
+    def close(self) -> None:
+        _, _, session_end = hparams_summaries({}, {})
+        self._writer._get_file_writer().add_summary(session_end)
+        self._writer.close()
+
+
+class ThroughputClock:
+    """Wall time spent training in steady state.
+
+    Started after the first (compiling) step has finished; `paused()` excludes eval
+    and checkpoint saves. Callers must make sure queued device work is finished
+    (a host sync) before they read, pause or resume the clock.
+    """
+
+    def __init__(self) -> None:
+        self._started_at: float | None = None
+        self._accumulated = 0.0
+
+    def start(self) -> None:
+        self._started_at = time.perf_counter()
+
+    @property
+    def running(self) -> bool:
+        return self._started_at is not None
+
+    def elapsed(self) -> float:
+        running = time.perf_counter() - self._started_at if self._started_at is not None else 0.0
+        return self._accumulated + running
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        was_running = self.running
+        if was_running:
+            self._accumulated = self.elapsed()
+            self._started_at = None
+        try:
+            yield
+        finally:
+            if was_running:
+                self.start()
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """JSON has no NaN/Inf: such values become null."""
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def write_results(path: Path, results: Mapping[str, Any]) -> None:
+    """Write results.json atomically (temp file + rename): a reader never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(results), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)

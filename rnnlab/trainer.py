@@ -1,0 +1,332 @@
+"""Training state, the pure train/eval steps, and the training loop (`train_and_evaluate`).
+
+Inside the loop the state is always replicated (leaves carry a leading device axis);
+the checkpointer sees it unreplicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+from rnnlab import config as cfg
+from rnnlab import data, flops, parallel
+from rnnlab.checkpoint import Checkpointer, PreemptionGuard
+from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none, write_results
+from rnnlab.models import RecurrentModel, count_params, summary_table
+
+log = logging.getLogger(__name__)
+
+# pmap over simulated CPU devices aborts (all-reduce timeout) with ~50 steps queued
+# without a host sync; a sync at least this often keeps the queue short on every backend.
+MAX_STEPS_IN_FLIGHT = 16
+PARAMS_STREAM = 2
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss or gradient norm became NaN or Inf."""
+
+
+def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Global-norm clipping -> optimizer with a warm-up + (cosine | constant) learning-rate schedule."""
+    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    if config.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else config.lr,
+            peak_value=config.lr,
+            warmup_steps=warmup,
+            decay_steps=max(total_steps, warmup + 1),
+            end_value=config.lr * config.end_lr_ratio,
+        )
+    else:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, config.lr, warmup), optax.constant_schedule(config.lr)], [warmup]
+        ) if warmup else optax.constant_schedule(config.lr)
+    if config.name == "adam":
+        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(schedule, config.b1, config.b2))
+    elif config.name == "adamw":
+        opt = optax.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay)
+    elif config.name == "sgd":
+        opt = optax.chain(
+            optax.add_decayed_weights(config.weight_decay),
+            optax.sgd(schedule, momentum=config.momentum or None),
+        )
+    else:
+        raise ValueError(f"unknown optimizer {config.name!r}")
+    clip = optax.clip_by_global_norm(config.clip_norm) if config.clip_norm > 0 else optax.identity()
+    return optax.chain(clip, opt), schedule
+
+
+def create_train_state(
+    key: jax.Array, model: nn.Module, example_inputs: jax.Array, tx: optax.GradientTransformation
+) -> train_state.TrainState:
+    """Unreplicated initial state. example_inputs: f32[B, T, I] (only shapes matter)."""
+    params = jax.jit(model.init)(key, example_inputs)["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    # A strongly typed step: a weakly typed Python 0 would make the second step recompile.
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def train_step(
+    state: train_state.TrainState, batch: data.Batch, task: data.Task, schedule: optax.Schedule
+) -> tuple[train_state.TrainState, dict[str, jax.Array]]:
+    """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`."""
+
+    def loss_fn(params):
+        outputs = state.apply_fn({"params": params}, batch.inputs)
+        return task.loss_and_metric(outputs, batch.targets)
+
+    (loss, metric), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads = jax.lax.pmean(grads, parallel.AXIS)
+    metrics = jax.lax.pmean({"loss": loss, task.metric_name: metric}, parallel.AXIS)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["lr"] = schedule(state.step)
+    return state.apply_gradients(grads=grads), metrics
+
+
+def eval_step(state: train_state.TrainState, batch: data.Batch, task: data.Task) -> dict[str, jax.Array]:
+    outputs = state.apply_fn({"params": state.params}, batch.inputs)
+    loss, metric = task.loss_and_metric(outputs, batch.targets)
+    return jax.lax.pmean({"loss": loss, task.metric_name: metric}, parallel.AXIS)
+
+
+def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: list) -> Callable:
+    """pmapped `step[num_devices] -> Batch`: each device draws its own slice of the global batch."""
+
+    def sample(step):
+        first = jax.lax.axis_index(parallel.AXIS) * per_device
+        return data.sample_batch(task, stream, step, first, per_device)
+
+    return jax.pmap(sample, axis_name=parallel.AXIS, devices=devices)
+
+
+def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
+    """Host-side mean over a window of replicated step metrics (this is a host sync)."""
+    window = jax.device_get(pending)  # list of {name: f32[num_devices]}, identical across devices
+    return {k: float(np.mean([m[k][0] for m in window])) for k in window[0]}
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the loop needs beyond the state: compiled functions, sinks and counters."""
+
+    config: cfg.Config
+    workdir: Path
+    task: data.Task
+    devices: list
+    p_train_step: Callable
+    p_eval_step: Callable
+    p_train_batch: Callable
+    eval_batches: list
+    checkpointer: Checkpointer
+    writer: MetricWriter
+    tokens_per_step: int
+    flops_per_step: int
+    clock: ThroughputClock = dataclasses.field(default_factory=ThroughputClock)
+    timed_steps: int = 0
+    compile_seconds: float | None = None
+    last_train: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    final_step: int = 0
+
+    def log_train(self, step: int, pending: list, window: tuple[float, int]) -> None:
+        """Write the window's mean metrics and throughput; raise on a non-finite loss."""
+        metrics = _mean_metrics(pending)
+        if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient norm at step {step} (loss={metrics['loss']}, "
+                f"grad_norm={metrics['grad_norm']}); lower optimizer.lr or set optimizer.clip_norm"
+            )
+        elapsed, steps = self.clock.elapsed() - window[0], self.timed_steps - window[1]
+        perf = {}
+        if steps > 0 and elapsed > 0:
+            perf = {
+                "perf/tokens_per_sec": steps * self.tokens_per_step / elapsed,
+                "perf/steps_per_sec": steps / elapsed,
+                "perf/flops_per_sec": steps * self.flops_per_step / elapsed,
+            }
+        self.writer.write_scalars(step, {f"train/{k}": v for k, v in metrics.items()} | perf)
+        self.last_train = metrics
+        rate = f" | {perf['perf/tokens_per_sec']:,.0f} tokens/s" if perf else " | compiling step excluded"
+        log.info(
+            "step %d/%d | loss %.4f | %s %.4f | grad_norm %.3f | lr %.2e%s",
+            step, self.config.steps, metrics["loss"], self.task.metric_name, metrics[self.task.metric_name],
+            metrics["grad_norm"], metrics["lr"], rate,
+        )
+
+    def evaluate(self, step: int, state: Any) -> None:
+        results = [self.p_eval_step(state, batch) for batch in self.eval_batches]
+        metrics = _mean_metrics(results)
+        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.last_eval = metrics
+        log.info(
+            "eval step %d | loss %.4f | %s %.4f | baseline loss %.4f",
+            step, metrics["loss"], self.task.metric_name, metrics[self.task.metric_name], self.task.baseline_loss,
+        )
+
+    def results(self, status: str, step: int, num_params: int, wall_start: float) -> dict[str, Any]:
+        elapsed = self.clock.elapsed()
+        tokens_per_sec = self.timed_steps * self.tokens_per_step / elapsed if self.timed_steps and elapsed else None
+        return {
+            "status": status,
+            "step": step,
+            "train_loss": finite_or_none(self.last_train.get("loss")),
+            "eval_loss": finite_or_none(self.last_eval.get("loss")),
+            "eval_metric": finite_or_none(self.last_eval.get(self.task.metric_name)),
+            "eval_metric_name": self.task.metric_name,
+            "baseline_loss": self.task.baseline_loss,
+            "num_params": num_params,
+            "num_devices": len(self.devices),
+            "platform": self.devices[0].platform,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_sec": tokens_per_sec,
+            "flops_per_step": self.flops_per_step,
+            "flops_per_sec": tokens_per_sec * self.flops_per_step / self.tokens_per_step if tokens_per_sec else None,
+            "mfu": None,  # needs the device's measured peak FLOP/s
+            "compile_seconds": self.compile_seconds,
+            "wall_seconds": time.perf_counter() - wall_start,
+        }
+
+
+def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any]:
+    """Train `config` in run dir `workdir` (resuming there if it holds checkpoints); returns results.json's dict.
+
+    Raises ConfigError for bad input (before anything compiles), NonFiniteLossError if
+    training diverges. `results["status"]` is "preempted" after SIGTERM/SIGINT.
+    """
+    wall_start = time.perf_counter()
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    parallel.configure_backend(config.device)
+    devices = parallel.select_devices(config.device)
+    per_device = parallel.check_batch_divides(config.batch_size, len(devices))
+    task = data.make_task(config.data)
+    flat_config = cfg.flatten(config)
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every, config.checkpoint.keep)
+    latest = checkpointer.latest_step()
+    if latest is not None and not config.checkpoint.resume:
+        raise cfg.ConfigError(
+            f"key 'checkpoint.resume': false, but {checkpointer.directory} already holds step {latest}; "
+            f"use a new hydra.run.dir, or checkpoint.resume=true to continue it"
+        )
+    checkpointer.check_compatible(flat_config)
+
+    model = RecurrentModel(config.model, task.output_dim)
+    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
+    params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
+    summary = summary_table(model, example)
+    (workdir / "model_summary.txt").write_text(summary)
+    print(summary)
+
+    # Restore order: this run dir's newest restorable checkpoint, else a fresh initialisation.
+    state = create_train_state(params_key, model, example, tx)
+    restored = checkpointer.restore_latest(state)
+    if restored is not None:
+        state, _ = restored
+        log.info("resumed from %s at step %d", checkpointer.directory, int(state.step))
+    else:
+        checkpointer.write_run_config(flat_config)
+    start_step = int(state.step)
+    num_params = count_params(state.params)
+
+    tokens_per_step = config.batch_size * task.total_len
+    run = _Run(
+        config=config,
+        workdir=workdir,
+        task=task,
+        devices=devices,
+        p_train_step=jax.pmap(
+            functools.partial(train_step, task=task, schedule=schedule),
+            axis_name=parallel.AXIS, devices=devices, donate_argnums=(0,),
+        ),
+        p_eval_step=jax.pmap(functools.partial(eval_step, task=task), axis_name=parallel.AXIS, devices=devices),
+        p_train_batch=pmap_sampler(task, data.stream_key(config.seed, data.TRAIN_STREAM), per_device, devices),
+        eval_batches=[],
+        checkpointer=checkpointer,
+        writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None),
+        tokens_per_step=tokens_per_step,
+        flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
+    )
+    p_eval_batch = pmap_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, devices)
+    run.eval_batches = [p_eval_batch(np.full(len(devices), i, np.int32)) for i in range(config.eval_batches)]
+    run.writer.write_hparams(flat_config)
+    log.info(
+        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s) x batch %d | %d tokens/step | %.3g FLOPs/step",
+        task.name, task.seq_len, task.baseline_loss, num_params, len(devices), devices[0].platform,
+        per_device, tokens_per_step, run.flops_per_step,
+    )
+
+    state = parallel.replicate(state, devices)
+    try:
+        status = _train_loop(run, state, start_step)
+    finally:
+        checkpointer.wait()  # an async save in flight completes even if training failed
+        checkpointer.close()
+    step = max(start_step, run.final_step)
+    results = run.results(status, step, num_params, wall_start)
+    write_results(workdir / "results.json", results)
+    run.writer.close()
+    log.info(
+        "%s at step %d | eval loss %.4f (baseline %.4f) | %s %s | %s tokens/s | compile %.1fs | wall %.1fs",
+        status, step, results["eval_loss"] or float("nan"), task.baseline_loss, task.metric_name,
+        results["eval_metric"], f"{results['tokens_per_sec']:,.0f}" if results["tokens_per_sec"] else "n/a",
+        results["compile_seconds"] or 0.0, results["wall_seconds"],
+    )
+    return results
+
+
+def _train_loop(run: _Run, state: Any, start_step: int) -> str:
+    """Steps `start_step+1 .. config.steps`; returns "completed" or "preempted"."""
+    config, checkpointer = run.config, run.checkpointer
+    pending: list = []  # this log window's step metrics, still on device
+    window = (0.0, 0)  # (clock reading, timed steps) when the window opened
+
+    def close_window(step: int) -> None:
+        nonlocal pending, window
+        if pending:
+            run.log_train(step, pending, window)
+        pending, window = [], (run.clock.elapsed(), run.timed_steps)
+
+    with PreemptionGuard() as guard:
+        for step in range(start_step + 1, config.steps + 1):  # `step` = updates done after this iteration
+            dispatched_at = time.perf_counter()
+            state, metrics = run.p_train_step(state, run.p_train_batch(state.step))
+            pending.append(metrics)
+            if run.clock.running:
+                run.timed_steps += 1
+            else:  # first step of this process compiles: time it apart, start the clock after it
+                jax.block_until_ready(metrics)
+                run.compile_seconds = time.perf_counter() - dispatched_at
+                run.clock.start()
+                window = (run.clock.elapsed(), run.timed_steps)
+            run.final_step = step
+            is_last, stopping = step == config.steps, guard.requested is not None
+            if step % config.log_every == 0 or is_last or stopping:
+                close_window(step)  # host sync
+            elif step % MAX_STEPS_IN_FLIGHT == 0:
+                jax.block_until_ready(metrics)
+            if step % config.eval_every == 0 or is_last:
+                jax.block_until_ready(metrics)  # queued steps count as training, not eval
+                with run.clock.paused():
+                    run.evaluate(step, state)
+            if is_last or stopping or checkpointer.should_save(step):
+                close_window(step)  # never checkpoint a state whose loss was not seen to be finite
+                with run.clock.paused():
+                    checkpointer.save(step, parallel.unreplicate_to_host(state), force=True)
+            if stopping:
+                return "preempted"
+    if start_step >= config.steps:  # nothing left to train: evaluate the restored state
+        run.evaluate(start_step, state)
+    return "completed"
