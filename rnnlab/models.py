@@ -67,13 +67,13 @@ class ElmanCell(nn.Module):
     """
 
     hidden_dim: int
-    init: str = "uniform"
+    init_scheme: str = "uniform"  # see `initializers` (not `init`: that is Module.init)
     activation: str = "tanh"
 
     @nn.compact
     def __call__(self, h: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
         """h: f32[B, H], u: f32[B, H] -> (h_t, h_t)."""
-        _, recurrent_init = initializers(self.init)
+        _, recurrent_init = initializers(self.init_scheme)
         w_hh = self.param("W_hh", recurrent_init, (self.hidden_dim, self.hidden_dim))
         h = ACTIVATIONS[self.activation](h @ w_hh + u)
         return h, h
@@ -87,13 +87,13 @@ class RecurrentLayer(nn.Module):
     """
 
     hidden_dim: int
-    init: str = "uniform"
+    init_scheme: str = "uniform"  # see `initializers` (not `init`: that is Module.init)
     activation: str = "tanh"
 
     @nn.compact
     def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
         """x: f32[B, T, I] -> (f32[B, T, H], None)."""
-        input_init, _ = initializers(self.init)
+        input_init, _ = initializers(self.init_scheme)
         w_xh = self.param("W_xh", input_init, (x.shape[-1], self.hidden_dim))
         b = self.param("b", nn.initializers.zeros_init(), (self.hidden_dim,))
         u = x @ w_xh + b  # f32[B, T, H], hoisted out of the time loop
@@ -105,7 +105,7 @@ class RecurrentLayer(nn.Module):
             out_axes=1,
         )
         h0 = jnp.zeros((x.shape[0], self.hidden_dim), x.dtype)
-        _, hs = time_scan(self.hidden_dim, self.init, self.activation, name="cell")(h0, u)
+        _, hs = time_scan(self.hidden_dim, self.init_scheme, self.activation, name="cell")(h0, u)
         return hs, None
 
 
@@ -118,14 +118,14 @@ class LayerStack(nn.Module):
 
     hidden_dim: int
     num_layers: int
-    init: str = "uniform"
+    init_scheme: str = "uniform"
     activation: str = "tanh"
     scan_layers: bool = True
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: f32[B, T, H] -> f32[B, T, H]."""
-        args = (self.hidden_dim, self.init, self.activation)
+        args = (self.hidden_dim, self.init_scheme, self.activation)
         if self.scan_layers:
             stack = nn.scan(
                 RecurrentLayer,
@@ -169,5 +169,5 @@ def count_params(params: Any) -> int:
 
 def summary_table(model: RecurrentModel, example_input: jax.Array) -> str:
     """The `nn.tabulate` table of the model (parameters and shapes per module)."""
-    table = nn.tabulate(model, jax.random.key(0), depth=3, console_kwargs={"width": 120})
+    table = nn.tabulate(model, jax.random.key(0), depth=3, console_kwargs={"width": 120, "force_terminal": False, "color_system": None})
     return table(example_input)

@@ -39,29 +39,30 @@ class NonFiniteLossError(RuntimeError):
 
 
 def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Global-norm clipping -> optimizer with a warm-up + (cosine | constant) learning-rate schedule."""
-    warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+    """Global-norm clipping -> optimizer, with a learning-rate schedule over `total_steps`.
+
+    `schedule(s)` is the learning rate of the update that takes the state from step s-1
+    to s: linear warm-up reaches `lr` at s = warmup_steps (the first update already
+    moves, at lr / warmup_steps), then cosine decay to `end_lr_ratio * lr` at the
+    last step, or constant.
+    """
+    warmup = min(config.warmup_steps, total_steps)
     if config.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            init_value=0.0 if warmup else config.lr,
-            peak_value=config.lr,
-            warmup_steps=warmup,
-            decay_steps=max(total_steps, warmup + 1),
-            end_value=config.lr * config.end_lr_ratio,
-        )
+        decay = optax.cosine_decay_schedule(config.lr, max(total_steps - warmup, 1), alpha=config.end_lr_ratio)
     else:
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, config.lr, warmup), optax.constant_schedule(config.lr)], [warmup]
-        ) if warmup else optax.constant_schedule(config.lr)
+        decay = optax.constant_schedule(config.lr)
+    if warmup:
+        schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup), decay], [warmup])
+    else:
+        schedule = decay
+    # Optax calls the schedule with the number of updates applied so far.
+    lr = lambda count: schedule(count + 1)  # noqa: E731
     if config.name == "adam":
-        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(schedule, config.b1, config.b2))
+        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(lr, config.b1, config.b2))
     elif config.name == "adamw":
-        opt = optax.adamw(schedule, config.b1, config.b2, weight_decay=config.weight_decay)
+        opt = optax.adamw(lr, config.b1, config.b2, weight_decay=config.weight_decay)
     elif config.name == "sgd":
-        opt = optax.chain(
-            optax.add_decayed_weights(config.weight_decay),
-            optax.sgd(schedule, momentum=config.momentum or None),
-        )
+        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.sgd(lr, momentum=config.momentum or None))
     else:
         raise ValueError(f"unknown optimizer {config.name!r}")
     clip = optax.clip_by_global_norm(config.clip_norm) if config.clip_norm > 0 else optax.identity()
@@ -90,8 +91,8 @@ def train_step(
     (loss, metric), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     grads = jax.lax.pmean(grads, parallel.AXIS)
     metrics = jax.lax.pmean({"loss": loss, task.metric_name: metric}, parallel.AXIS)
-    metrics["grad_norm"] = optax.global_norm(grads)
-    metrics["lr"] = schedule(state.step)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = schedule(state.step + 1)
     return state.apply_gradients(grads=grads), metrics
 
 
@@ -140,14 +141,19 @@ class _Run:
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     final_step: int = 0
 
-    def log_train(self, step: int, pending: list, window: tuple[float, int]) -> None:
-        """Write the window's mean metrics and throughput; raise on a non-finite loss."""
+    def check_finite(self, step: int, pending: list) -> dict[str, float]:
+        """The window's mean metrics (a host sync); NonFiniteLossError if loss or grad norm is NaN/Inf."""
         metrics = _mean_metrics(pending)
         if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
             raise NonFiniteLossError(
-                f"non-finite loss or gradient norm at step {step} (loss={metrics['loss']}, "
+                f"non-finite loss or gradient norm by step {step} (loss={metrics['loss']}, "
                 f"grad_norm={metrics['grad_norm']}); lower optimizer.lr or set optimizer.clip_norm"
             )
+        return metrics
+
+    def log_train(self, step: int, pending: list, window: tuple[float, int]) -> None:
+        """Write the window's mean metrics and throughput to TensorBoard and the console."""
+        metrics = self.check_finite(step, pending)
         elapsed, steps = self.clock.elapsed() - window[0], self.timed_steps - window[1]
         perf = {}
         if steps > 0 and elapsed > 0:
@@ -322,7 +328,8 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                 with run.clock.paused():
                     run.evaluate(step, state)
             if is_last or stopping or checkpointer.should_save(step):
-                close_window(step)  # never checkpoint a state whose loss was not seen to be finite
+                if pending:
+                    run.check_finite(step, pending)  # never checkpoint a diverged state
                 with run.clock.paused():
                     checkpointer.save(step, parallel.unreplicate_to_host(state), force=True)
             if stopping:

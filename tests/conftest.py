@@ -1,0 +1,58 @@
+"""Shared fixtures. Four simulated CPU devices, set before JAX starts, so that tests can
+pmap over 1, 2 or 4 devices in this process; runs that need a fresh JAX use subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = str(ROOT / "conf")
+
+# Small enough to compile and run in seconds on a 2-core CPU.
+TINY = [
+    "steps=6",
+    "batch_size=8",
+    "hidden_dim=8",
+    "num_layers=2",
+    "data.seq_len=6",
+    "log_every=2",
+    "eval_every=3",
+    "eval_batches=1",
+    "checkpoint.every=3",
+    "device=cpu",
+    "device.num_devices=1",
+]
+
+
+def compose_config(overrides=()):
+    """The real conf/ composed by Hydra with `overrides`, as a validated Config."""
+    from rnnlab.config import from_omegaconf
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return from_omegaconf(compose(config_name="config", overrides=list(overrides)))
+
+
+def tiny_config(*overrides):
+    return compose_config([*TINY, *overrides])
+
+
+def run_train(args, cwd, env_extra=None, timeout=300):
+    """`python train.py ARGS` in a fresh process; returns the CompletedProcess."""
+    env = {**os.environ, **(env_extra or {})}
+    env.pop("JAX_NUM_CPU_DEVICES", None)  # the command line decides the device count
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@pytest.fixture
+def tiny():
+    return tiny_config

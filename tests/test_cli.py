@@ -1,0 +1,86 @@
+"""`python train.py` as a user runs it, each in a fresh process (device count set at start)."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT, TINY, run_train
+
+pytestmark = pytest.mark.slow
+TINY_CLI = [o for o in TINY if not o.startswith("device")]
+
+
+def test_readme_command_with_top_level_hidden_dim(tmp_path):
+    proc = run_train(["model=rnn", "hidden_dim=100", *[o for o in TINY_CLI if not o.startswith("hidden_dim")],
+                      f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "completed" and results["step"] == 6
+    summary = (tmp_path / "model_summary.txt").read_text()
+    assert "float32[8,6,100]" in summary  # hidden_dim=100 reached the model
+    assert "baseline 0.1667" in proc.stdout + proc.stderr
+
+
+def test_four_simulated_devices(tmp_path):
+    proc = run_train([*TINY_CLI, "device.num_devices=4", "batch_size=32", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 cpu device(s) x batch 8" in proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["num_devices"] == 4
+
+
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["device.num_devices=4", "batch_size=30"], "'batch_size': got 30, must be divisible by the 4 devices"),
+        (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: rnn"),
+        (["hidden_dim=-3"], "'hidden_dim': got -3, must be > 0"),
+        (["data.seq_len=abc"], "'data.seq_len': got 'abc', expected an integer"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, key):
+    proc = run_train([*TINY_CLI, *args, f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert key in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "checkpoints").exists() or not any(p.name.isdigit() for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_multirun_writes_one_readable_run_per_job(tmp_path):
+    proc = run_train(["-m", "hidden_dim=8,16", "steps=4", "log_every=2", "eval_every=4", "batch_size=8",
+                      "data.seq_len=6", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p for p in tmp_path.iterdir() if (p / "results.json").exists())
+    # Job dirs are named by their number and overrides, so TensorBoard's run list is readable.
+    assert len(jobs) == 2
+    assert jobs[0].name.startswith("0_") and "hidden_dim=8," in jobs[0].name
+    assert jobs[1].name.startswith("1_") and "hidden_dim=16," in jobs[1].name
+    for job in jobs:
+        events = EventAccumulator(str(job / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+
+
+def test_sigterm_saves_and_rerun_completes(tmp_path):
+    args = [*TINY_CLI, "steps=100000", "log_every=50", "checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    for line in proc.stdout:  # wait until training runs
+        if "step 50/" in line or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=120)
+    assert proc.returncode == 75
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "preempted" and results["step"] >= 50
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [results["step"]]
+    rerun = run_train([*args[:-4], f"steps={results['step'] + 4}", "log_every=2", "checkpoint.every=0",
+                       f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoints'} at step {results['step']}" in rerun.stdout + rerun.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["step"] == results["step"] + 4

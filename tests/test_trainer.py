@@ -1,0 +1,144 @@
+"""The training loop in-process: steps, pmap equivalence, compile-once, outputs, resume."""
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import compose_config, tiny_config
+from rnnlab import data, parallel
+from rnnlab.models import RecurrentModel
+from rnnlab.trainer import create_train_state, make_optimizer, pmap_sampler, train_and_evaluate, train_step
+
+RESULT_KEYS = {
+    "status", "step", "train_loss", "eval_loss", "eval_metric", "baseline_loss", "num_params", "num_devices",
+    "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "wall_seconds",
+}
+TB_TAGS = {
+    "train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/mse",
+    "perf/tokens_per_sec", "perf/steps_per_sec", "perf/flops_per_sec",
+}
+
+
+def saved_state(workdir, step):
+    """Read a checkpoint back with Orbax alone (no rnnlab code), as a plain tree."""
+    with ocp.CheckpointManager((workdir / "checkpoints").absolute()) as manager:
+        return manager.restore(step, args=ocp.args.StandardRestore())
+
+
+def test_one_train_step_changes_every_parameter():
+    config = tiny_config()
+    task = data.make_task(config.data)
+    model = RecurrentModel(config.model, task.output_dim)
+    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    example = jnp.zeros((config.batch_size, task.total_len, task.input_dim))
+    state = create_train_state(jax.random.key(0), model, example, tx)
+    devices = jax.devices()[:1]
+    batch = pmap_sampler(task, data.stream_key(0, 0), config.batch_size, devices)(np.zeros(1, np.int32))
+    step = jax.pmap(lambda s, b: train_step(s, b, task, schedule), axis_name=parallel.AXIS, devices=devices)
+    new_state, metrics = step(parallel.replicate(state, devices), batch)
+    before = jax.tree_util.tree_leaves_with_path(state.params)
+    after = jax.tree_util.tree_leaves(parallel.unreplicate_to_host(new_state.params))
+    unchanged = [jax.tree_util.keystr(p) for (p, a), b in zip(before, after) if np.array_equal(np.asarray(a), b)]
+    assert not unchanged, f"parameters not updated: {unchanged}"
+    assert np.isfinite(float(metrics["loss"][0]))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    return workdir, train_and_evaluate(tiny_config(), workdir)
+
+
+def test_results_json_has_the_documented_keys(tiny_run):
+    workdir, results = tiny_run
+    on_disk = json.loads((workdir / "results.json").read_text())
+    assert RESULT_KEYS <= set(on_disk)
+    assert on_disk["status"] == "completed" and on_disk["step"] == 6 and on_disk["num_devices"] == 1
+    assert on_disk["baseline_loss"] == pytest.approx(1 / 6)
+    assert on_disk["tokens_per_sec"] > 0 and on_disk["compile_seconds"] > 0
+    assert on_disk["eval_loss"] == pytest.approx(results["eval_loss"])
+
+
+def test_tensorboard_events_carry_the_documented_tags(tiny_run):
+    workdir, results = tiny_run
+    events = EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    assert TB_TAGS <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
+    assert events.Scalars("eval/loss")[-1].value == pytest.approx(results["eval_loss"], rel=1e-6)
+    # The HParams plugin's session data is in the same run.
+    assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
+
+
+def test_model_summary_and_checkpoints_are_written(tiny_run):
+    workdir, results = tiny_run
+    summary = (workdir / "model_summary.txt").read_text()
+    assert "RecurrentModel" in summary and "W_hh" in summary
+    state = saved_state(workdir, 6)
+    assert int(state["step"]) == 6
+    assert state["params"]["stack"]["layers"]["W_xh"].shape == (2, 8, 8)
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
+
+
+def test_resumed_run_continues_from_the_saved_step_and_matches(tmp_path, caplog):
+    import shutil
+
+    config = tiny_config("steps=9")
+    train_and_evaluate(config, tmp_path)
+    uninterrupted = saved_state(tmp_path, 9)
+    # As if the run had died between its checkpoints at steps 6 and 9.
+    shutil.rmtree(tmp_path / "checkpoints" / "9")
+    with caplog.at_level(logging.INFO, logger="rnnlab.trainer"):
+        resumed = train_and_evaluate(config, tmp_path)
+    assert "at step 6" in caplog.text and resumed["step"] == 9
+    for x, y in zip(jax.tree_util.tree_leaves(uninterrupted), jax.tree_util.tree_leaves(saved_state(tmp_path, 9))):
+        np.testing.assert_array_equal(x, y)
+    # Steps 8 and 9, logged twice, are shown once: the resumed writer purges what followed step 6.
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 9]
+
+
+def test_pmap_over_two_devices_matches_one_device(tmp_path):
+    one = train_and_evaluate(tiny_config("steps=4", "device.num_devices=1"), tmp_path / "one")
+    two = train_and_evaluate(tiny_config("steps=4", "device.num_devices=2"), tmp_path / "two")
+    assert two["num_devices"] == 2
+    assert two["train_loss"] == pytest.approx(one["train_loss"], rel=1e-5)
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    p1, p2 = saved_state(tmp_path / "one", 4)["params"], saved_state(tmp_path / "two", 4)["params"]
+    for x, y in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_train_step_compiles_once(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
+        jax.config.update("jax_log_compiles", True)
+        try:
+            train_and_evaluate(tiny_config("steps=40", "log_every=5", "eval_every=10", "checkpoint.every=10"), tmp_path)
+        finally:
+            jax.config.update("jax_log_compiles", False)
+    # pmapped functions log as jit(_fun): the sampler (train + eval stream share the code but
+    # not the key), the train step and the eval step; nothing more over 40 steps.
+    pmap_compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(_fun)")]
+    assert len(pmap_compiles) == 4, pmap_compiles
+
+
+def test_default_job_learns(tmp_path):
+    # The default config, only shorter: the loss must fall well below the trivial baseline.
+    results = train_and_evaluate(compose_config(["steps=600", "eval_every=600"]), tmp_path)
+    assert results["eval_loss"] < 0.5 * results["baseline_loss"]
+
+
+def test_batch_that_does_not_divide_fails_before_compiling(tmp_path):
+    from rnnlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="'batch_size': got 30, must be divisible by the 4 devices"):
+        train_and_evaluate(tiny_config("batch_size=30", "device.num_devices=4"), tmp_path)
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
