@@ -12,9 +12,11 @@ import types
 import typing
 from typing import Any, Mapping, Optional
 
-CELLS = ("rnn",)
+CELLS = ("rnn", "lstm", "gru")
 INITS = ("uniform", "orthogonal", "identity", "default")
 ACTIVATIONS = ("tanh", "relu")
+DTYPES = ("float32", "bfloat16")
+STACK_INITS = ("vmap", "scan")
 TASKS = ("adding", "copy")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
@@ -36,6 +38,13 @@ class ModelConfig:
     init: str
     activation: str
     scan_layers: bool
+    stack_init: str
+    forget_bias: float
+    hoist_input: bool
+    remat: bool
+    dtype: str
+    unroll: int
+    dropout: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +224,11 @@ def validate(c: Config) -> None:
     _positive("model.num_layers", m.num_layers)
     _choice("model.init", m.init, INITS)
     _choice("model.activation", m.activation, ACTIVATIONS)
+    _choice("model.stack_init", m.stack_init, STACK_INITS)
+    _choice("model.dtype", m.dtype, DTYPES)
+    _positive("model.unroll", m.unroll)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
 
     _choice("data.task", c.data.task, TASKS)
     min_len = MIN_SEQ_LEN[c.data.task]

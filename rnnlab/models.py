@@ -1,111 +1,82 @@
-"""Recurrent models: the Elman cell scanned over time, layers stacked with a scan, a readout.
+"""Recurrent models: a cell scanned over time, layers stacked with a scan, a readout.
 
-Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers.
+Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers and
+`G` the cell's gate count (1 rnn, 4 lstm, 3 gru; see `rnnlab.cells`).
 
 Parameter layout (`model.scan_layers=true`, the default)::
 
     input_proj/{kernel f32[I, H], bias f32[H]}
-    layers/{W_xh f32[L, H, H], b f32[L, H], cell/W_hh f32[L, H, H]}   <- stacked on axis 0
+    layers/{W_xh f32[L, H, G*H], b f32[L, G*H], cell/W_hh f32[L, H, G*H]}   <- stacked on axis 0
+           (gru also cell/b_hn f32[L, H])
     readout/{kernel f32[H, O], bias f32[O]}
 
 With `scan_layers=false` the stack is a Python loop and layer i lives under
 `layer_{i}/` with the same leaves, unstacked; `stack_layer_params` converts.
+Parameters are float32 whatever `model.dtype`; with bfloat16 they are cast at use
+and the readout's output is cast back to float32 for the loss.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells import ACTIVATIONS, CELLS, initializers, per_gate  # noqa: F401  (re-exported)
 from rnnlab.config import ModelConfig
 
-Initializer = Callable[..., jax.Array]
-
-
-def _uniform(scale: float) -> Initializer:
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, minval=-scale, maxval=scale)
-
-    return init
-
-
-def _identity(key, shape, dtype=jnp.float32):
-    del key
-    return jnp.eye(shape[0], shape[1], dtype=dtype)
-
-
-def initializers(init: str) -> tuple[Initializer, Initializer]:
-    """(input initializer for W_xh, recurrent initializer for W_hh) of a named scheme.
-
-    uniform:    U[-0.1, 0.1] for both matrices (the classic Elman setting).
-    orthogonal: lecun_normal input, orthogonal recurrent matrix (Saxe et al. 2014).
-    identity:   N(0, 1e-3) input, identity recurrent matrix (IRNN, Le et al. 2015).
-    default:    Flax's `SimpleCell` defaults: lecun_normal input, orthogonal recurrent.
-    """
-    if init == "uniform":
-        return _uniform(0.1), _uniform(0.1)
-    if init == "orthogonal":
-        return nn.initializers.lecun_normal(), nn.initializers.orthogonal()
-    if init == "identity":
-        return nn.initializers.normal(1e-3), _identity
-    if init == "default":
-        return nn.initializers.lecun_normal(), nn.initializers.orthogonal()
-    raise ValueError(f"unknown init {init!r}")
-
-
-ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {"tanh": jnp.tanh, "relu": jax.nn.relu}
-
-
-class ElmanCell(nn.Module):
-    """One time step with the input term precomputed: `h_t = act(h_{t-1} W_hh + u_t)`.
-
-    `u_t = x_t W_xh + b` is computed for all time steps at once by `RecurrentLayer`
-    (one large matmul outside the scan), so only the recurrent matmul stays in the loop.
-    """
-
-    hidden_dim: int
-    init_scheme: str = "uniform"  # see `initializers` (not `init`: that is Module.init)
-    activation: str = "tanh"
-
-    @nn.compact
-    def __call__(self, h: jax.Array, u: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """h: f32[B, H], u: f32[B, H] -> (h_t, h_t)."""
-        _, recurrent_init = initializers(self.init_scheme)
-        w_hh = self.param("W_hh", recurrent_init, (self.hidden_dim, self.hidden_dim))
-        h = ACTIVATIONS[self.activation](h @ w_hh + u)
-        return h, h
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class RecurrentLayer(nn.Module):
-    """An Elman layer over a whole sequence, the cell scanned over time with `nn.scan`.
+    """One layer over a whole sequence: a cell (`rnnlab.cells`) scanned over time with `nn.scan`.
 
-    Call signature is `(carry, unused) -> (carry, None)` so that the layer itself can
-    be scanned over the layer stack; the carry is the sequence `f32[B, T, H]`.
+    The input term `x W_xh + b` (f32[B, T, G*H]) is one matmul over all time steps
+    before the scan (`hoist_input`), or `x_t W_xh + b` inside it; either way only the
+    cell's recurrent matmul is sequential. Call signature `(carry, unused) -> (carry,
+    None)` so the layer itself can be scanned over the stack; the carry is the sequence.
     """
 
     hidden_dim: int
     init_scheme: str = "uniform"  # see `initializers` (not `init`: that is Module.init)
     activation: str = "tanh"
+    cell: str = "rnn"  # a key of rnnlab.cells.CELLS
+    forget_bias: float = 1.0  # lstm: initial bias of the forget gate
+    hoist_input: bool = True  # input matmul for all time steps before the scan
+    remat: bool = False  # recompute each step in the backward pass instead of storing it
+    unroll: int = 1  # time steps per iteration of the scan's loop
+    dtype: Any = jnp.float32  # compute dtype
+    dropout: float = 0.0  # dropout rate on this layer's output (`dropout` rng)
+    deterministic: bool = True  # no dropout (evaluation)
 
     @nn.compact
     def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
-        """x: f32[B, T, I] -> (f32[B, T, H], None)."""
+        """x: [B, T, I] -> ([B, T, H] in the compute dtype, None)."""
+        cell_cls = CELLS[self.cell]
+        gates = cell_cls.num_gates
         input_init, _ = initializers(self.init_scheme)
-        w_xh = self.param("W_xh", input_init, (x.shape[-1], self.hidden_dim))
-        b = self.param("b", nn.initializers.zeros_init(), (self.hidden_dim,))
-        u = x @ w_xh + b  # f32[B, T, H], hoisted out of the time loop
+        w_xh = self.param("W_xh", per_gate(input_init, gates), (x.shape[-1], gates * self.hidden_dim))
+        b = self.param("b", cell_cls.bias_init(self.forget_bias), (gates * self.hidden_dim,))
+        x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
+        hoist = self.hoist_input
+
+        def step(cell: nn.Module, carry: Any, x_t: jax.Array) -> tuple[Any, jax.Array]:
+            """x_t: [B, G*H] (the input term) if hoisted, else [B, I]."""
+            return cell(carry, x_t if hoist else x_t @ w_xh + b)
+
+        if self.remat:
+            step = nn.remat(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
         time_scan = nn.scan(
-            ElmanCell,
-            variable_broadcast="params",
-            split_rngs={"params": False},
-            in_axes=1,
-            out_axes=1,
+            step, variable_broadcast="params", split_rngs={"params": False},
+            in_axes=1, out_axes=1, unroll=self.unroll,
         )
-        h0 = jnp.zeros((x.shape[0], self.hidden_dim), x.dtype)
-        _, hs = time_scan(self.hidden_dim, self.init_scheme, self.activation, name="cell")(h0, u)
+        cell = cell_cls(self.hidden_dim, self.init_scheme, self.activation, self.dtype, name="cell")
+        xs = x @ w_xh + b if hoist else x  # [B, T, G*H] or [B, T, I]
+        _, hs = time_scan(cell, cell_cls.initial_carry(x.shape[0], self.hidden_dim, self.dtype), xs)
+        if self.dropout > 0:
+            hs = nn.Dropout(self.dropout, deterministic=self.deterministic)(hs)
         return hs, None
 
 
@@ -114,6 +85,10 @@ class LayerStack(nn.Module):
 
     The scan traces and compiles one layer whatever the depth (compile time stays flat)
     and stores every parameter with a leading `[num_layers]` axis under `layers/`.
+    `stack_init="vmap"` initialises that stack as `jax.vmap` of one layer's init over
+    per-layer keys (Flax issue #1771) instead of running init through the scan; the
+    parameters have the same layout. In that mode init returns `x` unchanged as the
+    stack's output (same shape; `Module.init` keeps only the parameters).
     """
 
     hidden_dim: int
@@ -121,22 +96,30 @@ class LayerStack(nn.Module):
     init_scheme: str = "uniform"
     activation: str = "tanh"
     scan_layers: bool = True
+    stack_init: str = "scan"  # scan | vmap
+    layer_options: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: f32[B, T, H] -> f32[B, T, H]."""
-        args = (self.hidden_dim, self.init_scheme, self.activation)
-        if self.scan_layers:
-            stack = nn.scan(
-                RecurrentLayer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
-                length=self.num_layers,
-            )
-            x, _ = stack(*args, name="layers")(x, None)
-        else:
+        """x: [B, T, H] -> [B, T, H]."""
+        kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
+                      **dict(self.layer_options))
+        if not self.scan_layers:
             for i in range(self.num_layers):
-                x, _ = RecurrentLayer(*args, name=f"layer_{i}")(x)
+                x, _ = RecurrentLayer(**kwargs, name=f"layer_{i}")(x)
+            return x
+        if self.stack_init == "vmap" and self.is_initializing():
+            stack = nn.vmap(
+                RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                in_axes=None, axis_size=self.num_layers,
+            )
+            stack(**kwargs, name="layers")(x, None)
+            return x
+        stack = nn.scan(
+            RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+            length=self.num_layers,
+        )
+        x, _ = stack(**kwargs, name="layers")(x, None)
         return x
 
 
@@ -147,12 +130,19 @@ class RecurrentModel(nn.Module):
     output_dim: int
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: f32[B, T, I] -> f32[B, T, output_dim]."""
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+        """x: f32[B, T, I] -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng)."""
         c = self.config
-        x = nn.Dense(c.hidden_dim, name="input_proj")(x)
-        x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, name="stack")(x)
-        return nn.Dense(self.output_dim, name="readout")(x)
+        dtype = DTYPES[c.dtype]
+        layer_options = (
+            ("cell", c.cell), ("forget_bias", c.forget_bias), ("hoist_input", c.hoist_input),
+            ("remat", c.remat), ("unroll", c.unroll), ("dtype", dtype), ("dropout", c.dropout),
+            ("deterministic", not train),
+        )
+        x = nn.Dense(c.hidden_dim, dtype=dtype, name="input_proj")(x)
+        x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
+                       layer_options, name="stack")(x)
+        return nn.Dense(self.output_dim, dtype=dtype, name="readout")(x).astype(jnp.float32)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:

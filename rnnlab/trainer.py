@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # without a host sync; a sync at least this often keeps the queue short on every backend.
 MAX_STEPS_IN_FLIGHT = 16
 PARAMS_STREAM = 2
+DROPOUT_STREAM = 3
 
 
 class NonFiniteLossError(RuntimeError):
@@ -80,12 +81,17 @@ def create_train_state(
 
 
 def train_step(
-    state: train_state.TrainState, batch: data.Batch, task: data.Task, schedule: optax.Schedule
+    state: train_state.TrainState, batch: data.Batch, task: data.Task, schedule: optax.Schedule,
+    seed: int = 0,
 ) -> tuple[train_state.TrainState, dict[str, jax.Array]]:
     """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`."""
 
+    # Dropout masks from (seed, step, device index): a resumed run draws the same ones.
+    dropout_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), state.step)
+    dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(parallel.AXIS))
+
     def loss_fn(params):
-        outputs = state.apply_fn({"params": params}, batch.inputs)
+        outputs = state.apply_fn({"params": params}, batch.inputs, train=True, rngs={"dropout": dropout_key})
         return task.loss_and_metric(outputs, batch.targets)
 
     (loss, metric), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
@@ -254,7 +260,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         task=task,
         devices=devices,
         p_train_step=jax.pmap(
-            functools.partial(train_step, task=task, schedule=schedule),
+            functools.partial(train_step, task=task, schedule=schedule, seed=config.seed),
             axis_name=parallel.AXIS, devices=devices, donate_argnums=(0,),
         ),
         p_eval_step=jax.pmap(functools.partial(eval_step, task=task), axis_name=parallel.AXIS, devices=devices),

@@ -1,0 +1,202 @@
+"""LSTM and GRU against NumPy and torch; hoisted == in-scan; vmap init == scan init; remat; bf16; dropout."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import compose_config
+from rnnlab.cells import from_torch
+from rnnlab.models import LayerStack, RecurrentLayer, RecurrentModel
+
+B, T, I, H = 3, 7, 5, 4
+
+
+def sigmoid(v):
+    return 1.0 / (1.0 + np.exp(-v))
+
+
+def numpy_lstm(x, w_xh, b, w_hh):
+    """The documented nn.LSTM equations, gate blocks i, f, g, o, one step at a time. x: [B, T, I]."""
+    h = c = np.zeros((x.shape[0], w_hh.shape[0]))
+    hs = []
+    for t in range(x.shape[1]):
+        i, f, g, o = np.split(x[:, t] @ w_xh + b + h @ w_hh, 4, axis=-1)
+        c = sigmoid(f) * c + sigmoid(i) * np.tanh(g)
+        h = sigmoid(o) * np.tanh(c)
+        hs.append(h)
+    return np.stack(hs, axis=1)
+
+
+def numpy_gru(x, w_xh, b, w_hh, b_hn):
+    """The documented nn.GRU equations, blocks r, z, n, reset gate applied to (h W_hn + b_hn)."""
+    hid = w_hh.shape[0]
+    w_ir, w_iz, w_in = (w_xh[:, k * hid : (k + 1) * hid] for k in range(3))
+    w_hr, w_hz, w_hn = (w_hh[:, k * hid : (k + 1) * hid] for k in range(3))
+    b_r, b_z, b_n = np.split(b, 3)
+    h = np.zeros((x.shape[0], hid))
+    hs = []
+    for t in range(x.shape[1]):
+        x_t = x[:, t]
+        r = sigmoid(x_t @ w_ir + b_r + h @ w_hr)
+        z = sigmoid(x_t @ w_iz + b_z + h @ w_hz)
+        n = np.tanh(x_t @ w_in + b_n + r * (h @ w_hn + b_hn))
+        h = (1 - z) * n + z * h
+        hs.append(h)
+    return np.stack(hs, axis=1)
+
+
+def random_like(params, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape, scale=0.5), p.dtype), params)
+
+
+def init(module, x, seed=0):
+    """The module's params, initialised under jit (eager init of scans is slow)."""
+    return jax.jit(module.init)(jax.random.key(seed), x)["params"]
+
+
+def f64(a):
+    return np.asarray(a, np.float64)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_cell_matches_numpy_equations(cell):
+    x = np.random.default_rng(0).normal(size=(B, T, I)).astype(np.float32)
+    layer = RecurrentLayer(hidden_dim=H, cell=cell)
+    params = random_like(init(layer, x), seed=1)
+    got, _ = jax.jit(layer.apply)({"params": params}, x)
+    args = [f64(params["W_xh"]), f64(params["b"]), f64(params["cell"]["W_hh"])]
+    want = numpy_lstm(f64(x), *args) if cell == "lstm" else numpy_gru(f64(x), *args, f64(params["cell"]["b_hn"]))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_two_layer_stack_matches_torch(cell):
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    # Input width H so that the torch layers' shapes match our stack (which follows input_proj).
+    net = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(H, H, num_layers=2, batch_first=True)
+    x = np.random.default_rng(2).normal(size=(B, T, H)).astype(np.float32)
+    with torch.no_grad():
+        want = net(torch.from_numpy(x))[0].numpy()
+    sd = {k: v.detach().numpy() for k, v in net.state_dict().items()}
+    layers = [from_torch(cell, *(sd[f"{w}_l{k}"] for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))) for k in (0, 1)]
+    params = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    stack = LayerStack(hidden_dim=H, num_layers=2, layer_options=(("cell", cell),))
+    got = jax.jit(stack.apply)({"params": {"layers": params}}, x)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
+def test_hoisted_input_equals_input_inside_the_scan(cell):
+    x = np.random.default_rng(3).normal(size=(B, T, I)).astype(np.float32)
+    hoisted = RecurrentLayer(hidden_dim=H, cell=cell, hoist_input=True)
+    in_scan = RecurrentLayer(hidden_dim=H, cell=cell, hoist_input=False)
+    params = random_like(init(hoisted, x), seed=4)
+    want, _ = jax.jit(hoisted.apply)({"params": params}, x)
+    got, _ = jax.jit(in_scan.apply)({"params": params}, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def model_config(*overrides, **fields):
+    return dataclasses.replace(compose_config(list(overrides)).model, **fields)
+
+
+@pytest.mark.parametrize("cell,scheme", [("lstm", "orthogonal"), ("rnn", "uniform"), ("rnn", "identity")])
+def test_vmap_init_matches_scan_init(cell, scheme):
+    x = jnp.zeros((2, 3, 2))
+    trees = {}
+    for how in ("scan", "vmap"):
+        config = model_config(f"model={cell}", "hidden_dim=32", "num_layers=6", init=scheme, stack_init=how)
+        trees[how] = init(RecurrentModel(config, 1), x)
+    scan, vmap = trees["scan"], trees["vmap"]
+    assert jax.tree_util.tree_map(jnp.shape, scan) == jax.tree_util.tree_map(jnp.shape, vmap)
+    assert jax.tree_util.tree_map(lambda a: a.dtype, scan) == jax.tree_util.tree_map(lambda a: a.dtype, vmap)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(scan), jax.tree_util.tree_leaves(vmap)):
+        a, b = np.asarray(a), np.asarray(b)
+        # Same distribution: matching moments (thousands of draws per stacked matrix), same extremes.
+        assert abs(a.mean() - b.mean()) < 0.02 and abs(a.std() - b.std()) < 0.1 * a.std() + 1e-6, jax.tree_util.keystr(path)
+        assert abs(np.abs(a).max() - np.abs(b).max()) < 0.2 * np.abs(a).max() + 1e-6, jax.tree_util.keystr(path)
+    for how in ("scan", "vmap"):  # independent draws per layer either way
+        w_hh = np.asarray(trees[how]["stack"]["layers"]["cell"]["W_hh"])
+        assert w_hh.shape[0] == 6 and (scheme == "identity" or not np.allclose(w_hh[0], w_hh[1]))
+
+
+def test_lstm_forget_bias_is_a_config_key():
+    config = model_config("model=lstm", "hidden_dim=4", "num_layers=2", forget_bias=2.5)
+    b = init(RecurrentModel(config, 1), jnp.zeros((1, 3, 2)))["stack"]["layers"]["b"]
+    np.testing.assert_array_equal(np.asarray(b), np.repeat([[0.0] * 4 + [2.5] * 4 + [0.0] * 8], 2, axis=0))
+
+
+def loss_and_grads(config, seq_len=9, seed=0):
+    """Loss and gradients of a sum-of-squares loss on random inputs (jitted)."""
+    model = RecurrentModel(config, 2)
+    x = jax.random.normal(jax.random.key(seed), (2, seq_len, 3))
+    params = random_like(init(model, x, seed=1), seed=5)
+    loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_remat_gives_the_same_loss_and_gradients(cell):
+    base = model_config(f"model={cell}", "hidden_dim=8", "num_layers=2")
+    want_loss, want_grads = loss_and_grads(base)
+    got_loss, got_grads = loss_and_grads(dataclasses.replace(base, remat=True, unroll=2))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got_grads), jax.tree_util.tree_leaves(want_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_remat_lowers_peak_memory_on_a_long_sequence():
+    """XLA's memory analysis of the compiled gradient: remat stores the carry, not every gate."""
+    x = jnp.zeros((4, 1000, 2))
+
+    def temp_bytes(remat):
+        model = RecurrentModel(model_config("model=lstm", "hidden_dim=32", "num_layers=1", remat=remat), 1)
+        params = init(model, x[:, :2])
+        grad = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x))))
+        return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes(remat=True) < 0.7 * temp_bytes(remat=False)
+
+
+def test_bfloat16_trains_and_stays_finite():
+    config = model_config("model=lstm", "hidden_dim=16", "num_layers=2", dtype="bfloat16")
+    model = RecurrentModel(config, 1)
+    x = jax.random.uniform(jax.random.key(0), (8, 20, 2))
+    target = x[:, :, :1].sum(axis=1)
+    params = init(model, x)
+    tx = optax.adam(1e-2)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, opt_state):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x)[:, -1] - target) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(30):
+        params, opt_state, loss = step(params, opt_state)
+        losses.append(float(loss))
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert jax.eval_shape(lambda p: model.apply({"params": p}, x), params).dtype == jnp.float32
+    leaves = jax.tree_util.tree_leaves((params, opt_state))
+    assert all(leaf.dtype == jnp.float32 for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating))
+
+
+def test_dropout_only_in_training_and_driven_by_the_dropout_rng():
+    config = model_config("model=gru", "hidden_dim=8", "num_layers=2", dropout=0.5)
+    model, plain = RecurrentModel(config, 1), RecurrentModel(dataclasses.replace(config, dropout=0.0), 1)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 2))
+    params = {"params": init(model, x)}
+    run = jax.jit(lambda key: model.apply(params, x, train=True, rngs={"dropout": key}))
+    evaluated = jax.jit(model.apply)(params, x)  # train=False: deterministic, no rng needed
+    np.testing.assert_array_equal(np.asarray(evaluated), np.asarray(jax.jit(plain.apply)(params, x)))
+    a, b, c = run(jax.random.key(2)), run(jax.random.key(2)), run(jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.allclose(np.asarray(a), np.asarray(c)) and not np.allclose(np.asarray(a), np.asarray(evaluated))
