@@ -75,6 +75,7 @@ class DeviceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    enabled: bool
     every: int
     keep: int
     resume: bool

@@ -94,3 +94,36 @@ def write_results(path: Path, results: Mapping[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(dict(results), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+class JobFailed(RuntimeError):
+    """A job of a sweep failed; its record is in its results.json (status "failed").
+
+    Raised instead of exiting so that Hydra's launcher marks the job FAILED and runs
+    the others. Picklable (joblib sends it back from its worker process).
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message, exit_code)
+        self.message, self.exit_code = message, exit_code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def write_failure(path: Path, error: str, exit_code: int, overrides: list[str], started: float) -> None:
+    """Mark a sweep job's results.json failed: what went wrong, with which overrides.
+
+    Keeps what the trainer already wrote there for this job (e.g. status "diverged" with
+    its last metrics); `started` is the job's start (time.time()), so an older results.json
+    (from an earlier run in the same dir) is replaced instead.
+    """
+    results: dict[str, Any] = {"status": "failed"}
+    if path.exists() and path.stat().st_mtime >= started:
+        with contextlib.suppress(ValueError):
+            results = json.loads(path.read_text())
+    if results.get("status") == "completed":  # failed after writing its results (e.g. a callback)
+        results["status"] = "failed"
+    results.update(error=error, exit_code=exit_code, overrides=overrides)
+    results.setdefault("wall_seconds", time.time() - started)
+    write_results(path, results)

@@ -52,8 +52,9 @@ def select_devices(config: DeviceConfig) -> list[jax.Device]:
     if wanted > len(available):
         platform = available[0].platform
         hint = (
-            " (JAX started earlier in this process with fewer simulated CPU devices: run each "
-            "device count in its own process, e.g. hydra/launcher=joblib or separate commands)"
+            " (JAX started earlier in this process with fewer simulated CPU devices, and the jobs of a "
+            "sweep share processes, the joblib launcher's workers too: list the largest count first, "
+            "e.g. device.num_devices=4,2,1, or run each count as its own command)"
             if platform == "cpu"
             else ""
         )

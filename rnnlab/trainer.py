@@ -25,6 +25,7 @@ from rnnlab import data, flops, parallel
 from rnnlab.checkpoint import Checkpointer, PreemptionGuard
 from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none, write_results
 from rnnlab.models import RecurrentModel, count_params, summary_table
+from rnnlab.progress import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ class _Run:
     last_train: dict[str, float] = dataclasses.field(default_factory=dict)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     final_step: int = 0
+    progress: ProgressBar | None = None  # a live bar on a terminal, else nothing
 
     def check_finite(self, step: int, pending: list) -> dict[str, float]:
         """The window's mean metrics (a host sync); NonFiniteLossError if loss or grad norm is NaN/Inf."""
@@ -176,6 +178,8 @@ class _Run:
             step, self.config.steps, metrics["loss"], self.task.metric_name, metrics[self.task.metric_name],
             metrics["grad_norm"], metrics["lr"], rate,
         )
+        if self.progress is not None:
+            self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
 
     def evaluate(self, step: int, state: Any) -> None:
         results = [self.p_eval_step(state, batch) for batch in self.eval_batches]
@@ -270,6 +274,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None),
         tokens_per_step=tokens_per_step,
         flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
+        progress=ProgressBar(config.steps, start_step),
     )
     p_eval_batch = pmap_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, devices)
     run.eval_batches = [p_eval_batch(np.full(len(devices), i, np.int32)) for i in range(config.eval_batches)]
@@ -284,6 +289,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     try:
         status = _train_loop(run, state, start_step)
     finally:
+        run.progress.close()
         checkpointer.wait()  # an async save in flight completes even if training failed
         checkpointer.close()
     step = max(start_step, run.final_step)
@@ -333,7 +339,7 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                 jax.block_until_ready(metrics)  # queued steps count as training, not eval
                 with run.clock.paused():
                     run.evaluate(step, state)
-            if is_last or stopping or checkpointer.should_save(step):
+            if config.checkpoint.enabled and (is_last or stopping or checkpointer.should_save(step)):
                 if pending:
                     run.check_finite(step, pending)  # never checkpoint a diverged state
                 with run.clock.paused():

@@ -1,0 +1,286 @@
+"""Summarise a sweep: one table row per job, and plots that compare them.
+
+    python scripts/summarize.py multirun/2026-01-01/12-00-00      # one sweep
+    python scripts/summarize.py outputs                            # every run under a folder
+
+Finds every job dir below the given folder (a folder holding `.hydra/overrides.yaml` or
+`results.json`), reads its overrides, results.json and TensorBoard event files (with
+TensorBoard's own EventAccumulator), and
+  - prints a markdown table: the swept overrides, status, final eval loss and metric,
+    the task's baseline loss, tokens/s, MFU and wall time; failed jobs (and jobs with
+    no results.json: still running, or killed) are marked;
+  - writes summary.md and summary.csv (every override, every result) to --out;
+  - writes PNG plots to --out when matplotlib is installed (pip install -e ".[plots]"):
+    loss_curves.png (train and eval loss of every job against step) and, for each swept
+    parameter P, sweep_P.png (final eval metric and tokens/s against P).
+--out defaults to the folder given. Exit code 0, or 1 if no job was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+OK = "completed"
+SKIP_DIRS = {".hydra", "tensorboard", "checkpoints"}
+
+
+def find_jobs(root: Path) -> list[Path]:
+    """Job dirs below `root` (root itself for a single run), in job-number order."""
+    found = [p.parent for p in root.rglob("results.json") if not SKIP_DIRS & set(p.relative_to(root).parts[:-1])]
+    found += [p.parent.parent for p in root.rglob(".hydra/overrides.yaml")]
+    # A sweep's top level also has .hydra/ only when it is a run dir; multirun.yaml marks a sweep dir.
+    jobs = {p for p in found if not (p / "multirun.yaml").exists()}
+
+    def order(p: Path) -> tuple:
+        num = re.match(r"(\d+)_", p.name)
+        return (str(p.parent), int(num.group(1)) if num else math.inf, p.name)
+
+    return sorted(jobs, key=order)
+
+
+def parse_overrides(job: Path) -> dict[str, str]:
+    """{'optimizer.lr': '0.001', ...} from .hydra/overrides.yaml (empty if there is none)."""
+    path = job / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return {}
+    items = yaml.safe_load(path.read_text()) or []
+    pairs = (item.lstrip("+~").split("=", 1) for item in items if "=" in item)
+    return {k: v for k, v in pairs if not k.startswith("hydra.")}
+
+
+def read_results(job: Path) -> dict[str, Any]:
+    path = job / "results.json"
+    if not path.exists():
+        return {"status": "missing"}
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return {"status": "unreadable"}
+
+
+def read_curves(job: Path) -> dict[str, list[tuple[int, float]]]:
+    """{'train/loss': [(step, value), ...], 'eval/loss': ...} from the job's event files."""
+    logdir = job / "tensorboard"
+    if not logdir.is_dir():
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir), size_guidance={"scalars": 0})  # 0: keep every point
+    events.Reload()
+    tags = set(events.Tags().get("scalars", []))
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in ("train/loss", "eval/loss") if tag in tags}
+
+
+def as_number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def fmt(value: Any, spec: str = ".4g") -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if spec == "," else format(value, spec)
+    return str(value)
+
+
+class Sweep:
+    def __init__(self, root: Path):
+        self.root = root
+        self.jobs = find_jobs(root)
+        self.overrides = [parse_overrides(j) for j in self.jobs]
+        self.results = [read_results(j) for j in self.jobs]
+        keys = sorted({k for o in self.overrides for k in o})
+        values = {k: {o.get(k) for o in self.overrides} for k in keys}
+        self.swept = [k for k in keys if len(values[k]) > 1]  # keys whose value differs between jobs
+        self.fixed = {k: next(iter(values[k])) for k in keys if len(values[k]) == 1 and None not in values[k]}
+        self.curves: list[dict] | None = None
+
+    def name(self, i: int) -> str:
+        return str(self.jobs[i].relative_to(self.root)) if self.jobs[i] != self.root else self.root.name
+
+    def label(self, i: int) -> str:
+        """A short legend label: the swept overrides, else the job dir's name."""
+        parts = [f"{k.split('.')[-1]}={self.overrides[i][k]}" for k in self.swept if k in self.overrides[i]]
+        return " ".join(parts) or self.name(i)
+
+    def metric_name(self) -> str:
+        names = {r.get("eval_metric_name") for r in self.results if r.get("eval_metric_name")}
+        return names.pop() if len(names) == 1 else "metric"
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Table rows (display strings) in job order; the best completed eval loss is starred."""
+        done = [(r["eval_loss"], i) for i, r in enumerate(self.results) if r.get("status") == OK and r.get("eval_loss") is not None]
+        best = min(done)[1] if done else None
+        rows = []
+        for i, r in enumerate(self.results):
+            status = r.get("status", "?")
+            if status != OK:
+                status = f"**{status.upper()}**" + (f": {r['error']}" if r.get("error") else "")
+            loss = fmt(r.get("eval_loss")) + (" (best)" if i == best else "")
+            number = re.match(r"(\d+)_", self.jobs[i].name)  # <num>_<overrides>: the overrides are columns
+            rows.append({
+                "job": number.group(1) if number and self.swept else self.name(i), **{k: self.overrides[i].get(k, "") for k in self.swept},
+                "status": status, "eval loss": loss, f"eval {self.metric_name()}": fmt(r.get("eval_metric")),
+                "baseline": fmt(r.get("baseline_loss")), "tokens/s": fmt(r.get("tokens_per_sec"), ","),
+                "MFU": fmt(r.get("mfu"), ".2%"), "wall s": fmt(r.get("wall_seconds"), ".1f"),
+            })
+        return rows
+
+    def markdown(self) -> str:
+        rows = self.rows()
+        head = list(rows[0])
+        cell = lambda v: str(v).replace("|", "\\|")  # noqa: E731
+        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(cell(r[h]) for h in head) + " |" for r in rows]
+        failed = sum(r.get("status") != OK for r in self.results)
+        title = f"{len(self.jobs)} job(s) under {self.root}, {failed} not completed"
+        common = " ".join(f"{k}={v}" for k, v in self.fixed.items())
+        return "\n".join([title, *([f"common overrides: {common}"] if common else []), "", *lines])
+
+    def csv(self) -> str:
+        keys = sorted({k for o in self.overrides for k in o})
+        fields = ["status", "error", "eval_loss", "eval_metric", "eval_metric_name", "baseline_loss", "tokens_per_sec",
+                  "mfu", "wall_seconds", "step", "num_params", "compile_seconds"]
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["job", *keys, *fields])
+        for i, r in enumerate(self.results):
+            writer.writerow([self.name(i), *(self.overrides[i].get(k, "") for k in keys), *(r.get(f, "") for f in fields)])
+        return out.getvalue()
+
+    def read_curves(self) -> list[dict]:
+        if self.curves is None:
+            try:
+                self.curves = [read_curves(j) for j in self.jobs]
+            except ImportError:
+                print("summarize: tensorboard is not installed, no loss curves", file=sys.stderr)
+                self.curves = [{} for _ in self.jobs]
+        return self.curves
+
+
+def plot(sweep: Sweep, out: Path) -> list[Path]:
+    """loss_curves.png and one sweep_<param>.png per swept parameter; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    curves = sweep.read_curves()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    colors = plt.cm.viridis([i / max(len(sweep.jobs) - 1, 1) for i in range(len(sweep.jobs))])
+    for i, job_curves in enumerate(curves):
+        failed = sweep.results[i].get("status") != OK
+        for ax, tag in zip(axes, ("train/loss", "eval/loss")):
+            points = job_curves.get(tag)
+            if points:
+                steps, values = zip(*points)
+                ax.plot(steps, values, color=colors[i], linestyle=":" if failed else "-",
+                        marker="o" if tag == "eval/loss" else None, markersize=3,
+                        label=sweep.label(i) + (" (failed)" if failed else ""))
+    baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
+    for ax, tag in zip(axes, ("train loss", "eval loss")):
+        for b in baselines:
+            ax.axhline(b, color="grey", linestyle="--", linewidth=1)
+        ax.set(xlabel="step", title=tag, yscale="log")
+        ax.grid(True, alpha=0.3)
+    if baselines:
+        axes[0].text(0.01, 0.02, "dashed: trivial baseline", transform=axes[0].transAxes, color="grey", fontsize=8)
+    axes[0].set_ylabel("loss")
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(f"{sweep.root}")
+    fig.tight_layout()
+    written.append(out / "loss_curves.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+
+    for param in sweep.swept:
+        written.append(plot_param(sweep, param, out, plt))
+    return written
+
+
+def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
+    """Final eval metric and tokens/s against `param`, one line per combination of the other swept params."""
+    done = [i for i, r in enumerate(sweep.results) if r.get("status") == OK and param in sweep.overrides[i]]
+    raw = [sweep.overrides[i][param] for i in done]
+    numeric = all(as_number(v) is not None for v in raw)
+    categories = sorted(set(raw), key=lambda v: (as_number(v) is None, as_number(v) or 0, v))
+    x_of = (lambda v: as_number(v)) if numeric else (lambda v: categories.index(v))  # noqa: E731
+    others = [k for k in sweep.swept if k != param]
+    groups: dict[str, list[int]] = {}
+    for i in done:
+        key = " ".join(f"{k.split('.')[-1]}={sweep.overrides[i].get(k, '')}" for k in others)
+        groups.setdefault(key, []).append(i)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fields = (("eval_metric", f"final eval {sweep.metric_name()}"), ("tokens_per_sec", "tokens/s"))
+    for ax, (field, title) in zip(axes, fields):
+        for key, members in sorted(groups.items()):
+            pts = sorted((x_of(sweep.overrides[i][param]), sweep.results[i].get(field)) for i in members)
+            pts = [(x, y) for x, y in pts if y is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=key or None)
+        positive = numeric and raw and min(as_number(v) for v in raw) > 0
+        if positive and max(as_number(v) for v in raw) / min(as_number(v) for v in raw) >= 10:
+            ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(range(len(categories)), categories)
+        ax.set(xlabel=param, title=title)
+        ax.grid(True, alpha=0.3)
+        if any(groups) and len(groups) > 1:
+            ax.legend(fontsize=7)
+    baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
+    if sweep.metric_name() in ("mse", "loss") and len(baselines) == 1:
+        axes[0].axhline(baselines.pop(), color="grey", linestyle="--", linewidth=1, label="baseline")
+    fig.tight_layout()
+    path = out / f"sweep_{re.sub(r'[^A-Za-z0-9_.-]', '_', param)}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", type=Path, help="a sweep dir (multirun/DATE/TIME), a run dir, or a folder of them")
+    parser.add_argument("--out", type=Path, help="where summary.md/csv and the PNGs go (default: ROOT)")
+    parser.add_argument("--csv", action="store_true", help="print CSV instead of markdown")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    args = parser.parse_args(argv)
+    sweep = Sweep(args.root)
+    if not sweep.jobs:
+        print(f"summarize: no job dirs (with results.json or .hydra/overrides.yaml) under {args.root}", file=sys.stderr)
+        return 1
+    out = args.out or args.root
+    out.mkdir(parents=True, exist_ok=True)
+    table, table_csv = sweep.markdown(), sweep.csv()
+    (out / "summary.md").write_text(table + "\n")
+    (out / "summary.csv").write_text(table_csv)
+    print(table_csv if args.csv else table)
+    optuna = args.root / "optimization_results.yaml"
+    if optuna.exists() and not args.csv:
+        best = yaml.safe_load(optuna.read_text())
+        print(f"\nOptuna best: {best.get('best_value')} with {best.get('best_params')}")
+    if not args.no_plots:
+        try:
+            written = plot(sweep, out)
+        except ImportError:
+            print('summarize: matplotlib is not installed (pip install -e ".[plots]"): tables only', file=sys.stderr)
+        else:
+            print("\nplots: " + ", ".join(str(p) for p in written), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Sweeps end to end: launchers, a failing job, Optuna, HParams events, summarize.py; the progress bar."""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, compose_config, run_train
+
+# Tiny jobs: each compiles and runs in a few seconds on a 2-core CPU.
+SWEEP_TINY = ["steps=4", "batch_size=8", "data.seq_len=6", "log_every=2", "eval_every=4", "eval_batches=1",
+              "checkpoint.enabled=false", "device=cpu"]
+
+
+def jobs_of(sweep_dir):
+    """Job dirs of a sweep, in job-number order."""
+    return sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name[0].isdigit()),
+                  key=lambda p: int(p.name.split("_")[0]))
+
+
+def results_of(job):
+    return json.loads((job / "results.json").read_text())
+
+
+def summarize(sweep_dir, *args):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize.py"), str(sweep_dir), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(tmp_path_factory):
+    """A 2x2 sweep with Hydra's basic launcher (all jobs in one process)."""
+    sweep_dir = tmp_path_factory.mktemp("grid")
+    proc = run_train(["-m", "hidden_dim=8,16", "optimizer.lr=1e-3,1e-2", *SWEEP_TINY, f"hydra.sweep.dir={sweep_dir}"],
+                     cwd=sweep_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sweep_dir
+
+
+@pytest.mark.slow
+def test_basic_multirun_2x2_completes_every_job(grid_sweep):
+    jobs = jobs_of(grid_sweep)
+    assert len(jobs) == 4
+    assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1", "2", "3"]
+    assert "hidden_dim=16" in jobs[2].name and "optimizer.lr=0.001" in jobs[2].name  # readable run names
+    for job in jobs:
+        results = results_of(job)
+        assert results["status"] == "completed" and results["step"] == 4
+        assert not (job / "checkpoints").exists() or not any(p.name.isdigit() for p in (job / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_hparams_events_are_readable_per_job(grid_sweep):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import metadata
+
+    seen = set()
+    for job in jobs_of(grid_sweep):
+        events = EventAccumulator(str(job / "tensorboard"))
+        events.Reload()
+        content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+        assert {metadata.EXPERIMENT_TAG, metadata.SESSION_START_INFO_TAG} <= set(content)
+        experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+        assert {m.name.tag for m in experiment.metric_infos} >= {"eval/loss", "perf/tokens_per_sec"}
+        start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
+        hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
+        seen.add((hparams["hidden_dim"], hparams["optimizer.lr"]))
+        assert events.Scalars("eval/loss")[-1].value == pytest.approx(results_of(job)["eval_loss"], rel=1e-5)
+    assert seen == {(8, 1e-3), (8, 1e-2), (16, 1e-3), (16, 1e-2)}  # the HParams table tells the jobs apart
+
+
+@pytest.mark.slow
+def test_summarize_writes_tables_and_plots(grid_sweep, tmp_path):
+    pytest.importorskip("matplotlib")
+    proc = summarize(grid_sweep, "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    assert "| job | hidden_dim | optimizer.lr | status | eval loss | eval mse | baseline | tokens/s | MFU | wall s |" in table
+    assert table.count("| completed |") == 4 and table.count("(best)") == 1
+    assert (tmp_path / "summary.md").read_text().strip() == table.split("\nOptuna")[0].strip()
+    rows = (tmp_path / "summary.csv").read_text().splitlines()
+    assert len(rows) == 5 and rows[0].startswith("job,") and "eval_loss" in rows[0]
+    for name in ("loss_curves.png", "sweep_hidden_dim.png", "sweep_optimizer.lr.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
+
+
+@pytest.mark.slow
+def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    """Job 0 has a bad value: it fails first, job 1 still runs; the exit code and summary say so."""
+    proc = run_train(["-m", "data.seq_len=1,6", *[o for o in SWEEP_TINY if "seq_len" not in o], "hidden_dim=8",
+                      f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Error executing job with overrides: ['data.seq_len=1'" in proc.stderr
+    assert "rnnlab: error: sweep job 0 (data.seq_len=1" in proc.stderr
+    assert "Traceback" not in proc.stderr.split("Error executing job")[1]  # the failure is reported in one line
+    failed, ok = jobs_of(tmp_path)
+    record = results_of(failed)
+    assert record["status"] == "failed" and record["exit_code"] == 2
+    assert "data.seq_len" in record["error"] and "data.seq_len=1" in record["overrides"]
+    assert "job 0 failed (data.seq_len=1" in (failed / "train.log").read_text()
+    assert results_of(ok)["status"] == "completed"
+    table = summarize(tmp_path, "--no-plots").stdout
+    assert "**FAILED**: key 'data.seq_len'" in table and "| completed |" in table
+
+
+@pytest.mark.slow
+def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    proc = run_train(["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", "hidden_dim=8,16", *SWEEP_TINY,
+                      f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2,backend=loky" in proc.stdout + proc.stderr
+    jobs = jobs_of(tmp_path)
+    assert len(jobs) == 2 and all(results_of(j)["status"] == "completed" for j in jobs)
+    hydra_cfg = yaml.safe_load((jobs[0] / ".hydra" / "hydra.yaml").read_text())["hydra"]
+    assert "intra_op_parallelism_threads=1" in hydra_cfg["job"]["env_set"]["XLA_FLAGS"]  # one core per job
+
+
+@pytest.mark.slow
+def test_optuna_study_of_three_trials(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = run_train(["-m", "hparams_search=adding_optuna", "hydra.sweeper.n_trials=3", *SWEEP_TINY,
+                      "hidden_dim=choice(8,16)", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = jobs_of(tmp_path)
+    assert len(jobs) == 3
+    losses = [results_of(j)["eval_loss"] for j in jobs]
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    assert best["best_value"] == pytest.approx(min(losses), rel=1e-6)
+    assert set(best["best_params"]) == {"optimizer.lr", "hidden_dim"}
+    assert 1e-4 <= best["best_params"]["optimizer.lr"] <= 3e-2
+
+
+def test_debug_fast_preset_composes():
+    config = compose_config(["debug=fast"])
+    assert config.steps == 4 and config.log_every == 1 and config.checkpoint.enabled is False
+
+
+def test_progress_bar_draws_step_loss_rate_and_eta():
+    from rich.console import Console
+
+    from rnnlab.progress import ProgressBar
+
+    buffer = io.StringIO()
+    bar = ProgressBar(100, enabled=True, console=Console(file=buffer, force_terminal=True, width=120))
+    bar.update(50, 0.1234, 12345.6)
+    bar.close()
+    bar.close()  # idempotent
+    drawn = buffer.getvalue()
+    assert "50/100" in drawn and "loss 0.1234" in drawn and "12,346 tokens/s" in drawn and "ETA" in drawn
+
+
+def test_progress_bar_is_off_without_a_terminal():
+    from rnnlab.progress import ProgressBar, wants_bar
+
+    assert not wants_bar(io.StringIO())
+    bar = ProgressBar(10, enabled=False)
+    bar.update(5, 1.0, None)  # no-op
+    bar.close()
