@@ -7,6 +7,7 @@ eval loss so that optimising sweepers (Optuna) can minimise it.
 
 import functools
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,7 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let a failed sweep job reach the handler below
     try:
         main()
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)
