@@ -1,31 +1,242 @@
-"""Analytic FLOP count of a training step.
+"""FLOPs of a training step (analytic and as JAX/XLA see them), the device's peak, MFU.
 
-Counted: matrix multiplications only, 2 FLOPs per multiply-add. For one example and
-one time step the forward pass costs
+What is counted: **matrix multiplications only**, 2 FLOPs per multiply-add, for the
+model FLOPs of one forward + backward pass (the convention behind MFU: PaLM, Chowdhery
+et al. 2022, App. B). With `B` batch, `T` time steps (the task's `total_len`), `I`
+inputs, `H` hidden units, `L` layers, `O` outputs and `G` gates (rnn 1, lstm 4, gru 3),
+one example and one time step cost, forward:
 
-    input projection   2 * I * H
-    per layer          2 * H * H   (W_xh, hoisted out of the time scan)
-                     + 2 * H * H   (W_hh, inside the scan)
-    readout            2 * H * O
+    input projection   2 * I * H             nn.Dense(H) on the task's input
+    per layer          2 * H * G*H           x W_xh (hoisted before the scan or not: same count)
+                     + 2 * H * G*H           h_{t-1} W_hh, inside the time scan
+    readout            2 * H * O             applied at every time step
 
-and the backward pass twice that (a gradient for the activations and one for the
-weights of every matmul), so a training step is 3x forward. Not counted: bias adds,
-activations, the loss and the optimizer update (each O(H) per token against O(H^2)
-for the matmuls: under 1% at H >= 64), and the input gradient of the input projection
-that backward never computes (a slight overcount of 2*I*H per token).
+Backward: every matmul `Y = X W` costs two more of its size (dX = dY W^T and
+dW = X^T dY), except the input projection, whose input is data (no dX is formed):
+
+    backward = 2 * forward - 2 * I * H
+
+so a step is `B * T * (3 * forward - 2*I*H)` per token, summed over all tokens of the
+global batch. This is exact: `jaxpr_matmul_flops` counts the `dot_general`s of the
+traced step (scan bodies times their length) and tests/test_flops.py checks the two
+agree for every cell and option.
+
+Not counted: elementwise work (bias adds, gate nonlinearities and products, the loss,
+dropout) and the optimizer update (O(H) per token and O(1) per parameter against
+O(G*H^2) per token for the matmuls). XLA's `cost_analysis()` of the same step, with
+the scans unrolled so that every iteration is counted, comes out 0.3-2.5% above this
+count at H=128, B*T=128 (more for LSTM, whose gates do the most elementwise work) and
+10-30% above it at H=32. `model.remat=true` recomputes each step's forward in the
+backward pass (`StepFlops.recompute`); that is hardware work, not model FLOPs, and
+is left out of MFU as the convention asks. The count does not depend on
+`model.dtype`, `unroll`, `hoist_input` or `scan_layers`; the peak does (per dtype).
+
+Peak: `peak_flops(device, dtype)` reads the matmul FLOP/s that `scripts/peak_flops.py`
+measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
+default `~/.cache/rnnlab/`), or measures a quick one (an N=1024 matmul, about a
+second) and caches it. MFU = model FLOPs per second / (peak x devices); on CPU the
+simulated devices share one host, so the host's peak is used once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
 from rnnlab.config import ModelConfig
+
+# Gate count per cell: the width of W_xh and W_hh is G*H (rnnlab/cells.py, PyTorch's order).
+NUM_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """Matmul FLOPs of one training step over the global batch."""
+
+    forward: int
+    backward: int
+    recompute: int = 0  # model.remat: each time step's forward again in the backward pass
+
+    @property
+    def model(self) -> int:
+        """Model FLOPs (what MFU divides by the step time): forward + backward."""
+        return self.forward + self.backward
+
+    @property
+    def executed(self) -> int:
+        """Matmul FLOPs the device runs, remat recomputation included."""
+        return self.model + self.recompute
+
+
+def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
+    """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
+    h, gh = model.hidden_dim, NUM_GATES[model.cell] * model.hidden_dim
+    input_proj, readout = 2 * input_dim * h, 2 * h * output_dim
+    w_xh = w_hh = 2 * h * gh
+    forward = input_proj + model.num_layers * (w_xh + w_hh) + readout
+    backward = 2 * forward - input_proj
+    # Remat reruns the scanned step: the recurrent matmul, and the input matmul when it is inside.
+    recompute = model.num_layers * (w_hh + (0 if model.hoist_input else w_xh)) if model.remat else 0
+    return StepFlops(forward * tokens, backward * tokens, recompute * tokens)
 
 
 def forward_flops_per_token(model: ModelConfig, input_dim: int, output_dim: int) -> int:
-    h = model.hidden_dim
-    per_layer = 2 * h * h + 2 * h * h
-    return 2 * input_dim * h + model.num_layers * per_layer + 2 * h * output_dim
+    return step_flops(model, input_dim, output_dim, 1).forward
 
 
 def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int) -> int:
-    """FLOPs of one forward + backward pass over `tokens_per_step` = global batch x sequence length."""
-    return 3 * forward_flops_per_token(model, input_dim, output_dim) * tokens_per_step
+    """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x sequence length."""
+    return step_flops(model, input_dim, output_dim, tokens_per_step).model
+
+
+# --- FLOPs as JAX and XLA see them (for cross-checks and the benchmark) ---------------------------
+
+
+def _subjaxprs(value: Any) -> list:
+    if hasattr(value, "jaxpr") and hasattr(value, "consts"):  # ClosedJaxpr
+        return [value.jaxpr]
+    if type(value).__name__ == "Jaxpr":
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _subjaxprs(v)]
+    return []
+
+
+def _jaxpr_matmul_flops(jaxpr: Any) -> int:
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            out = eqn.outvars[0].aval.shape
+            total += 2 * int(np.prod(out)) * int(np.prod([lhs[d] for d in lhs_contract]))
+            continue
+        inner = [_jaxpr_matmul_flops(j) for v in eqn.params.values() for j in _subjaxprs(v)]
+        if eqn.primitive.name == "scan":
+            total += eqn.params["length"] * sum(inner)
+        elif eqn.primitive.name == "cond":
+            total += max(inner, default=0)
+        else:  # pjit, remat, custom_vjp/jvp, ...: the body runs once
+            total += sum(inner)
+    return total
+
+
+def jaxpr_matmul_flops(fn: Callable, *args: Any) -> int:
+    """FLOPs of every `dot_general` that `fn(*args)` traces to, each scan body times its length."""
+    import jax
+
+    return _jaxpr_matmul_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def xla_flops(compiled: Any) -> float:
+    """`flops` of a compiled executable's `cost_analysis()` (a loop body is counted once)."""
+    analysis = compiled.cost_analysis()
+    if isinstance(analysis, (list, tuple)):  # older JAX: one dict per computation
+        analysis = analysis[0]
+    return float(analysis.get("flops", 0.0))
+
+
+# --- Device peak and MFU ------------------------------------------------------------------------
+
+QUICK_N = 1024  # matmul size of the quick measurement training does when nothing is cached
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "rnnlab" / "peak_flops.json"
+
+
+def device_key(device: Any) -> str:
+    """A name for the device kind; on CPU the processor model and core count (device_kind is just 'cpu')."""
+    if device.platform != "cpu":
+        return f"{device.platform}:{device.device_kind}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu:{model}:{os.cpu_count()} cores"
+
+
+def load_peaks() -> dict:
+    try:
+        return json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_peak(device: Any, dtype: str, peak: float, source: str, **extra: Any) -> None:
+    """Record `peak` FLOP/s for this device kind and dtype (atomic write; other entries kept)."""
+    path = cache_path()
+    peaks = load_peaks()
+    entry = {"flops_per_sec": peak, "source": source, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
+    peaks.setdefault(device_key(device), {})[dtype] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(peaks, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def measure_matmul_flops(n: int, dtype: str, device: Any = None, repeats: int = 10, min_seconds: float = 0.05) -> float:
+    """FLOP/s of an [n, n] x [n, n] matmul on `device`: median over `repeats` timed runs.
+
+    float32 runs at `precision=HIGHEST` (no TF32/bf16 passes), bfloat16 at default precision.
+    Each run calls the compiled matmul enough times to take about `min_seconds`, ending on
+    `block_until_ready`.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
+    precision = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
+    k1, k2 = jax.random.split(jax.random.key(0))
+    a = jax.device_put(jax.random.normal(k1, (n, n), jdtype), device)
+    b = jax.device_put(jax.random.normal(k2, (n, n), jdtype), device)
+    matmul = jax.jit(lambda x, y: jnp.matmul(x, y, precision=precision))
+    matmul(a, b).block_until_ready()  # compile
+    t0 = time.perf_counter()
+    matmul(a, b).block_until_ready()
+    calls = max(1, int(min_seconds / max(time.perf_counter() - t0, 1e-6)))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = matmul(a, b)
+        out.block_until_ready()
+        times.append((time.perf_counter() - t0) / calls)
+    return 2.0 * n**3 / statistics.median(times)
+
+
+def peak_flops(device: Any, dtype: str = "float32", measure: bool = True) -> float | None:
+    """Cached peak matmul FLOP/s of this device kind and dtype; if none, a quick measurement (cached)."""
+    entry = load_peaks().get(device_key(device), {}).get(dtype)
+    if entry:
+        return float(entry["flops_per_sec"])
+    if not measure:
+        return None
+    peak = measure_matmul_flops(QUICK_N, dtype, device, repeats=5, min_seconds=0.05)
+    try:
+        save_peak(device, dtype, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)", n=QUICK_N)
+    except OSError:
+        pass  # a read-only home still gets its MFU, just without the cache
+    return peak
+
+
+def mfu(flops_per_sec: float | None, peak: float | None, devices: list) -> float | None:
+    """Model-FLOP utilisation; `peak` is one device's (the host's, on CPU)."""
+    if not flops_per_sec or not peak:
+        return None
+    chips = 1 if devices[0].platform == "cpu" else len(devices)
+    return flops_per_sec / (peak * chips)
