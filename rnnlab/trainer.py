@@ -141,6 +141,7 @@ class _Run:
     writer: MetricWriter
     tokens_per_step: int
     flops_per_step: int
+    peak_flops: float | None = None  # one device's matmul FLOP/s for the compute dtype (flops.peak_flops)
     clock: ThroughputClock = dataclasses.field(default_factory=ThroughputClock)
     timed_steps: int = 0
     compile_seconds: float | None = None
@@ -169,10 +170,12 @@ class _Run:
                 "perf/tokens_per_sec": steps * self.tokens_per_step / elapsed,
                 "perf/steps_per_sec": steps / elapsed,
                 "perf/flops_per_sec": steps * self.flops_per_step / elapsed,
+                "perf/mfu": flops.mfu(steps * self.flops_per_step / elapsed, self.peak_flops, self.devices),
             }
         self.writer.write_scalars(step, {f"train/{k}": v for k, v in metrics.items()} | perf)
         self.last_train = metrics
         rate = f" | {perf['perf/tokens_per_sec']:,.0f} tokens/s" if perf else " | compiling step excluded"
+        rate += f" | mfu {perf['perf/mfu']:.1%}" if perf.get("perf/mfu") else ""
         log.info(
             "step %d/%d | loss %.4f | %s %.4f | grad_norm %.3f | lr %.2e%s",
             step, self.config.steps, metrics["loss"], self.task.metric_name, metrics[self.task.metric_name],
@@ -209,7 +212,8 @@ class _Run:
             "tokens_per_sec": tokens_per_sec,
             "flops_per_step": self.flops_per_step,
             "flops_per_sec": tokens_per_sec * self.flops_per_step / self.tokens_per_step if tokens_per_sec else None,
-            "mfu": None,  # needs the device's measured peak FLOP/s
+            "mfu": flops.mfu(tokens_per_sec and tokens_per_sec * self.flops_per_step / self.tokens_per_step,
+                             self.peak_flops, self.devices),
             "compile_seconds": self.compile_seconds,
             "wall_seconds": time.perf_counter() - wall_start,
         }
@@ -274,6 +278,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None),
         tokens_per_step=tokens_per_step,
         flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
+        peak_flops=flops.peak_flops(devices[0], config.model.dtype),  # cached, else ~1 s to measure
         progress=ProgressBar(config.steps, start_step),
     )
     p_eval_batch = pmap_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, devices)

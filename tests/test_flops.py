@@ -127,3 +127,16 @@ def test_mfu():
     assert flops.mfu(5e9, 1e10, cpu) == 0.5
     assert flops.mfu(5e9, 1e10, cpu[:2]) == 0.5  # simulated CPU devices share the host's peak
     assert flops.mfu(None, 1e10, cpu) is None and flops.mfu(5e9, None, cpu) is None
+
+
+def test_training_reports_mfu_against_the_cached_peak(tmp_path, monkeypatch, tiny):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rnnlab.trainer import train_and_evaluate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    flops.save_peak(jax.devices()[0], "float32", 1.0e9, source="test")
+    results = train_and_evaluate(tiny(), tmp_path / "run")
+    assert results["mfu"] == pytest.approx(results["flops_per_sec"] / 1.0e9)
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
+    assert "perf/mfu" in events.Tags()["scalars"]
