@@ -82,6 +82,13 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    start_step: int  # first training step to trace (the loop's step numbers start at 1)
+    num_steps: int  # steps to trace with jax.profiler; 0 = off
+    memory: bool  # also save a device memory profile after the traced steps
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int
     steps: int
@@ -96,6 +103,7 @@ class Config:
     optimizer: OptimizerConfig
     device: DeviceConfig
     checkpoint: CheckpointConfig
+    profile: ProfileConfig
 
 
 def from_omegaconf(cfg: Any) -> Config:
@@ -256,3 +264,6 @@ def validate(c: Config) -> None:
 
     _non_negative("checkpoint.every", c.checkpoint.every)
     _positive("checkpoint.keep", c.checkpoint.keep)
+
+    _positive("profile.start_step", c.profile.start_step)
+    _non_negative("profile.num_steps", c.profile.num_steps)

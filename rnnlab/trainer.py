@@ -25,6 +25,7 @@ from rnnlab import data, flops, parallel
 from rnnlab.checkpoint import Checkpointer, PreemptionGuard
 from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none, write_results
 from rnnlab.models import RecurrentModel, count_params, summary_table
+from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class _Run:
     tokens_per_step: int
     flops_per_step: int
     peak_flops: float | None = None  # one device's matmul FLOP/s for the compute dtype (flops.peak_flops)
+    profiler: StepProfiler | None = None  # jax.profiler window (config.profile), off by default
     clock: ThroughputClock = dataclasses.field(default_factory=ThroughputClock)
     timed_steps: int = 0
     compile_seconds: float | None = None
@@ -279,6 +281,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         tokens_per_step=tokens_per_step,
         flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
         peak_flops=flops.peak_flops(devices[0], config.model.dtype),  # cached, else ~1 s to measure
+        profiler=StepProfiler(config.profile, workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
     )
     p_eval_batch = pmap_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, devices)
@@ -295,6 +298,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         status = _train_loop(run, state, start_step)
     finally:
         run.progress.close()
+        run.profiler.stop()
         checkpointer.wait()  # an async save in flight completes even if training failed
         checkpointer.close()
     step = max(start_step, run.final_step)
@@ -324,9 +328,11 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
 
     with PreemptionGuard() as guard:
         for step in range(start_step + 1, config.steps + 1):  # `step` = updates done after this iteration
+            run.profiler.begin(step)
             dispatched_at = time.perf_counter()
             state, metrics = run.p_train_step(state, run.p_train_batch(state.step))
             pending.append(metrics)
+            run.profiler.end(step, metrics)
             if run.clock.running:
                 run.timed_steps += 1
             else:  # first step of this process compiles: time it apart, start the clock after it

@@ -1,0 +1,277 @@
+"""Time rnnlab's compiled train step against PyTorch and flax.linen.RNN doing the same step.
+
+    python scripts/benchmark.py                                   # every cell x the 4-row grid (long on a CPU)
+    python scripts/benchmark.py --cells rnn --rows 0 3 --repeats 3   # a quick subset
+    python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
+
+The step is what `python train.py` runs: rnnlab's own `create_train_state` and
+`train_step` under `jax.pmap` on one device (state donated) with the adding task's
+batch generated beforehand, Adam, no clipping (clip_norm=0 on all sides). The same
+model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
+the last step) and the same forward + backward + Adam update are built in
+`torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
+without torch that column is skipped, and the script says so) and in
+`flax.linen.RNN` with Flax's built-in `SimpleCell`/`LSTMCell`/`GRUCell`. Each is
+warmed up, then the three are timed in turn within every repeat (so a change in machine
+load hits them alike) and the median per-step time is kept. Ratios are the other
+framework's step time over rnnlab's: above 1 means rnnlab is faster. GFLOP/s and MFU
+use rnnlab's analytic model FLOPs (rnnlab/flops.py) and the float32 peak cached by
+scripts/peak_flops.py (measured quickly if none is cached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from rnnlab import config as cfg  # noqa: E402
+from rnnlab import data, flops, parallel, trainer  # noqa: E402
+from rnnlab.models import RecurrentModel  # noqa: E402
+
+GRID = [  # (hidden H, batch B, time steps T, layers L)
+    (100, 32, 100, 1),
+    (256, 64, 256, 2),
+    (1024, 64, 128, 1),
+    (128, 1, 2000, 1),
+]
+LR = 1e-3
+
+
+def load() -> float:
+    return os.getloadavg()[0]
+
+
+def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = ()) -> cfg.Config:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    overrides = [
+        f"model.cell={cell}", f"hidden_dim={h}", f"batch_size={b}", f"num_layers={layers}", "data=adding",
+        f"data.seq_len={t}", "optimizer=adam", f"optimizer.lr={LR}", "optimizer.clip_norm=0",
+        "optimizer.schedule=constant", "optimizer.warmup_steps=0", "device=cpu", "device.num_devices=1", *extra,
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=overrides))
+
+
+class RnnlabStep:
+    """rnnlab's pmapped train step on one device, as the training loop builds it."""
+
+    def __init__(self, config: cfg.Config):
+        self.task = data.make_task(config.data)
+        self.devices = jax.devices()[:1]
+        model = RecurrentModel(config.model, self.task.output_dim)
+        tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+        example = jnp.zeros((config.batch_size, self.task.total_len, self.task.input_dim))
+        state = trainer.create_train_state(jax.random.key(0), model, example, tx)
+        self.state = parallel.replicate(state, self.devices)
+        sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), config.batch_size, self.devices)
+        self.batch = sampler(np.zeros(1, np.int32))
+        self.p_step = jax.pmap(
+            lambda s, b: trainer.train_step(s, b, self.task, schedule),
+            axis_name=parallel.AXIS, devices=self.devices, donate_argnums=(0,),
+        )
+        t0 = time.perf_counter()
+        self.p_step = self.p_step.lower(self.state, self.batch).compile()
+        self.compile_seconds = time.perf_counter() - t0
+
+    def __call__(self, n: int) -> None:
+        for _ in range(n):
+            self.state, metrics = self.p_step(self.state, self.batch)
+        jax.block_until_ready((self.state, metrics))
+
+
+class FlaxStep:
+    """flax.linen.RNN with the built-in cell (input matmul inside the scanned cell), same model and Adam."""
+
+    CELLS = {"rnn": "SimpleCell", "lstm": "LSTMCell", "gru": "GRUCell"}
+
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: data.Batch):
+        import flax.linen as nn
+        import optax
+
+        cell_cls = getattr(nn, self.CELLS[cell])
+
+        class Model(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                x = nn.Dense(h)(x)
+                for _ in range(layers):
+                    x = nn.RNN(cell_cls(h))(x)
+                return nn.Dense(1)(x)
+
+        inputs = jnp.asarray(batch.inputs[0])
+        targets = jnp.asarray(batch.targets[0])
+        model = Model()
+        params = model.init(jax.random.key(0), inputs)
+        tx = optax.adam(LR)
+
+        def step(params, opt_state):
+            def loss_fn(p):
+                return jnp.mean((model.apply(p, inputs)[:, -1, 0] - targets) ** 2)
+
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        self.carry = (params, tx.init(params))
+        self.step = jax.jit(step, donate_argnums=(0, 1)).lower(*self.carry).compile()
+
+    def __call__(self, n: int) -> None:
+        for _ in range(n):
+            params, opt_state, loss = self.step(*self.carry)
+            self.carry = (params, opt_state)
+        jax.block_until_ready(self.carry)
+
+
+class TorchStep:
+    """torch.nn.RNN/LSTM/GRU with the same input and readout Linear layers, MSE and Adam."""
+
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: data.Batch):
+        import torch
+
+        rnn_cls = {"rnn": torch.nn.RNN, "lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
+        torch.manual_seed(0)
+        self.torch = torch
+        self.inp = torch.nn.Linear(batch.inputs.shape[-1], h)
+        self.rnn = rnn_cls(h, h, num_layers=layers, batch_first=True)
+        self.out = torch.nn.Linear(h, 1)
+        params = [*self.inp.parameters(), *self.rnn.parameters(), *self.out.parameters()]
+        self.opt = torch.optim.Adam(params, lr=LR)
+        self.x = torch.from_numpy(np.asarray(batch.inputs[0]).copy())
+        self.y = torch.from_numpy(np.asarray(batch.targets[0]).copy())
+
+    def __call__(self, n: int) -> None:
+        for _ in range(n):
+            self.opt.zero_grad(set_to_none=True)
+            hs, _ = self.rnn(self.inp(self.x))
+            loss = ((self.out(hs)[:, -1, 0] - self.y) ** 2).mean()
+            loss.backward()
+            self.opt.step()
+
+
+def timed(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    fn(n)
+    return (time.perf_counter() - t0) / n
+
+
+def bench_row(cell: str, row: tuple, args, peak: float | None, torch_ok: bool) -> dict:
+    h, b, t, layers = row
+    config = compose(cell, h, b, t, layers, args.override)
+    load_start = load()
+    ours = RnnlabStep(config)
+    runners = {"rnnlab": ours}
+    if torch_ok and not args.no_torch:
+        runners["torch"] = TorchStep(cell, h, b, t, layers, ours.batch)
+    if not args.no_flax:
+        runners["flax"] = FlaxStep(cell, h, b, t, layers, ours.batch)
+    steps = {}
+    for name, fn in runners.items():  # warm-up, and how many steps make one timed repeat
+        fn(1)
+        steps[name] = max(1, min(200, int(args.min_seconds / max(timed(fn, 1), 1e-6))))
+    times = {name: [] for name in runners}
+    for _ in range(args.repeats):  # interleaved, so load changes hit every framework alike
+        for name, fn in runners.items():
+            times[name].append(timed(fn, steps[name]))
+    median = {name: statistics.median(v) for name, v in times.items()}
+    tokens = b * t
+    model_flops = flops.train_step_flops(config.model, ours.task.input_dim, ours.task.output_dim, tokens)
+    result = {
+        "cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "overrides": args.override,
+        "step_ms": 1e3 * median["rnnlab"], "tokens_per_sec": tokens / median["rnnlab"],
+        "gflops_per_sec": model_flops / median["rnnlab"] / 1e9,
+        "mfu": flops.mfu(model_flops / median["rnnlab"], peak, ours.devices),
+        "compile_seconds": ours.compile_seconds, "flops_per_step": model_flops,
+        "torch_step_ms": 1e3 * median["torch"] if "torch" in median else None,
+        "flax_step_ms": 1e3 * median["flax"] if "flax" in median else None,
+        "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
+        "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
+        "repeats": args.repeats, "steps_per_repeat": steps, "all_times_ms": {k: [1e3 * x for x in v] for k, v in times.items()},
+        "load_start": load_start, "load_end": load(),
+    }
+    return result
+
+
+def fmt(x, spec):
+    return format(x, spec) if x is not None else "-"
+
+
+def compile_vs_layers(args) -> list[dict]:
+    """Compile seconds of the train step for each num_layers, layer scan vs Python loop."""
+    h, b, t, _ = GRID[args.compile_row]
+    rows = []
+    print(f"compile seconds vs num_layers (H={h}, B={b}, T={t}, cell {args.cells[0]}) | load {load():.2f}")
+    for layers in args.compile_layers:
+        for scan in (True, False):
+            config = compose(args.cells[0], h, b, t, layers, [f"model.scan_layers={str(scan).lower()}", *args.override])
+            step = RnnlabStep(config)
+            rows.append({"layers": layers, "scan_layers": scan, "compile_seconds": step.compile_seconds, "load": load()})
+            print(f"  L={layers:<3} scan_layers={str(scan):<5} compile {step.compile_seconds:6.2f} s | load {load():.2f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cells", nargs="+", default=list(cfg.CELLS), choices=cfg.CELLS)
+    parser.add_argument("--rows", nargs="+", type=int, default=list(range(len(GRID))), help=f"indices into {GRID}")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per framework (median kept)")
+    parser.add_argument("--min-seconds", type=float, default=1.0, help="each repeat runs enough steps to last about this")
+    parser.add_argument("--override", nargs="*", default=[], help="extra rnnlab config overrides, e.g. model.unroll=4")
+    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: cores)")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-flax", action="store_true")
+    parser.add_argument("--compile-layers", nargs="*", type=int, help="only measure compile seconds for these num_layers")
+    parser.add_argument("--compile-row", type=int, default=1, help="grid row whose shape --compile-layers uses")
+    parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
+    args = parser.parse_args(argv)
+
+    if args.compile_layers:
+        out = {"compile_vs_layers": compile_vs_layers(args)}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return out
+
+    try:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        torch_ok, torch_note = True, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    except ImportError:
+        torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'
+    device = jax.devices()[0]
+    peak = flops.peak_flops(device, "float32")
+    print(f"device {flops.device_key(device)} | jax {jax.__version__} | {torch_note} | "
+          f"float32 peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
+    header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
+              f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}")
+    print(header)
+    results = []
+    for cell in args.cells:
+        for i in args.rows:
+            r = bench_row(cell, GRID[i], args, peak, torch_ok)
+            results.append(r)
+            print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['step_ms']:9.2f} "
+                  f"{r['tokens_per_sec']:10,.0f} {r['gflops_per_sec']:8.1f} {fmt(r['mfu'], '6.1%')} "
+                  f"{r['compile_seconds']:9.2f} {fmt(r['torch_step_ms'], '9.2f')} {fmt(r['vs_torch'], '7.2f')}x "
+                  f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}", flush=True)
+    out = {"device": flops.device_key(device), "jax": jax.__version__, "torch": torch_note,
+           "peak_flops_float32": peak, "command": " ".join(sys.argv), "results": results}
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
