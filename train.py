@@ -3,17 +3,23 @@
 Composes conf/ with Hydra, turns it into validated dataclasses and runs
 `rnnlab.trainer.train_and_evaluate` in Hydra's run directory. Returns the final
 eval loss so that optimising sweepers (Optuna) can minimise it.
+
+Exit codes: 0 done; 2 bad input (config, run dir, unreadable checkpoints), one line on
+stderr; 3 training diverged (NaN/Inf); 75 preempted by SIGTERM/SIGINT after saving a
+checkpoint (rerun the same command to resume); 130 aborted by a second SIGINT.
 """
 
 import functools
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
@@ -21,10 +27,15 @@ from rnnlab.checkpoint import CheckpointError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
 
-EXIT_BAD_INPUT = 2  # invalid config, unusable run dir or unreadable checkpoint
-EXIT_PREEMPTED = 75  # SIGTERM/SIGINT: checkpoint saved, rerun the same command to resume (EX_TEMPFAIL)
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
+EXIT_ABORTED = 130
 
-log = logging.getLogger("rnnlab")
+
+def fail(message: str, code: int) -> None:
+    print(f"rnnlab: error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def sweep_job(task):
@@ -65,22 +76,44 @@ def main(cfg: DictConfig) -> float:
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file it writes at INFO
     try:
         config = from_omegaconf(cfg)
-        from rnnlab.trainer import train_and_evaluate  # imports JAX only once the config is known good
+        from rnnlab.trainer import NonFiniteLossError, train_and_evaluate  # JAX loads once the config is good
 
-        results = train_and_evaluate(config, HydraConfig.get().runtime.output_dir)
+        try:
+            results = train_and_evaluate(config, HydraConfig.get().runtime.output_dir)
+        except NonFiniteLossError as e:
+            fail(str(e), EXIT_DIVERGED)
     except (ConfigError, CheckpointError) as e:
-        print(f"rnnlab: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+        fail(str(e), EXIT_BAD_INPUT)
     if results["status"] == "preempted":
+        logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", results["step"])
         sys.exit(EXIT_PREEMPTED)
     return results["eval_loss"]
 
 
+def hydra_error_line(e: Exception) -> str:
+    """Hydra's multi-line composition errors as one line naming the key and the choices."""
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
+        group, _, option = e.missing_cfg_file.rpartition("/")
+        return f"key '{group}': got {option!r}, allowed: {', '.join(sorted(e.options))}"
+    cause = str(e.__cause__ or "")
+    if "is not in struct" in cause:
+        key = (re.search(r"full_key: (\S+)", cause) or re.search(r"Key '([^']+)'", cause)).group(1)
+        return f"unknown key '{key}' (see `python train.py --cfg job` for the keys; add a new one with +{key}=...)"
+    parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ else [])
+    lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
+    return "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type=")))
+
+
 if __name__ == "__main__":
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let a failed sweep job reach the handler below
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's errors reach us instead of printing them
     try:
         main()
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)
-        print(f"rnnlab: error: sweep {e}; the other jobs ran (`python scripts/summarize.py <sweep dir>` shows "
-              "each status)", file=sys.stderr)
-        sys.exit(e.exit_code)
+        fail(f"sweep {e}; the other jobs ran (`python scripts/summarize.py <sweep dir>` shows each status)",
+             e.exit_code)
+    except HydraException as e:  # unknown key or config option, malformed override
+        fail(hydra_error_line(e), EXIT_BAD_INPUT)
+    except OSError as e:  # Hydra could not create or write the run dir
+        fail(f"cannot write the run dir: {e}", EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        fail("aborted by a second interrupt; the last completed checkpoint is intact", EXIT_ABORTED)

@@ -82,25 +82,31 @@ class Checkpointer:
     def restore_latest(self, target: Any) -> tuple[Any, int] | None:
         """(state, step) from the newest restorable checkpoint, or None if there is none.
 
-        A checkpoint that fails to restore is reported with its path and the next older
-        one is tried; if every one fails, CheckpointError (never a silent fresh start).
+        A checkpoint that fails to restore is reported with its path, renamed to
+        `<step>.unreadable` (kept for inspection, invisible to Orbax, so the step can be
+        saved again) and the next older one is tried. If none restores: CheckpointError,
+        never a silent fresh start.
         """
         steps = sorted(self._manager.all_steps(), reverse=True)
         failures = []
         for step in steps:
+            path = self.directory / str(step)
             try:
                 state = self._manager.restore(step, args=ocp.args.StandardRestore(target))
-                if failures:
-                    log.warning("resuming from older step %d instead", step)
-                return state, step
             except Exception as e:  # noqa: BLE001 - any failure to read this step means: try an older one
-                path = self.directory / str(step)
-                log.warning("cannot restore checkpoint %s: %s", path, str(e).splitlines()[0][:300])
-                failures.append(str(path))
+                log.warning("checkpoint %s cannot be restored (%s)", path, str(e).splitlines()[0][:300])
+                failures.append(path)
+                continue
+            for bad in failures:
+                bad.rename(bad.with_name(bad.name + ".unreadable"))
+                log.warning("fell back from %s to step %d; kept it as %s.unreadable", bad, step, bad.name)
+            if failures:
+                self._manager.reload()
+            return state, step
         if failures:
             raise CheckpointError(
-                f"no checkpoint in {self.directory} could be restored (tried {', '.join(failures)}); "
-                f"remove them or set checkpoint.resume=false"
+                f"no checkpoint in {self.directory} can be restored (tried steps {', '.join(p.name for p in failures)}); "
+                f"move them away or use a new hydra.run.dir"
             )
         return None
 

@@ -22,8 +22,11 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 
-# Shortest sequence each task is defined for (adding needs room for two markers).
-MIN_SEQ_LEN = {"adding": 2, "copy": 1}
+NONFINITE_POLICIES = ("stop", "skip")
+
+# Shortest `seq_len` per task: adding needs room for its two markers; the copy task's
+# delay must be longer than the 10 symbols it recalls.
+MIN_SEQ_LEN = {"adding": 2, "copy": 11}
 
 
 class ConfigError(ValueError):
@@ -98,6 +101,7 @@ class Config:
     log_every: int
     eval_every: int
     eval_batches: int
+    on_nonfinite: str
     model: ModelConfig
     data: DataConfig
     optimizer: OptimizerConfig
@@ -226,6 +230,7 @@ def validate(c: Config) -> None:
     for key in ("steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches"):
         _positive(key, getattr(c, key))
     _non_negative("seed", c.seed)
+    _choice("on_nonfinite", c.on_nonfinite, NONFINITE_POLICIES)
 
     m = c.model
     _choice("model.cell", m.cell, CELLS)

@@ -40,6 +40,9 @@ class MetricWriter:
         file_writer.add_summary(experiment)
         file_writer.add_summary(session_start)
 
+    def flush(self) -> None:
+        self._writer.flush()
+
     def close(self) -> None:
         _, _, session_end = hparams_summaries({}, {})
         self._writer._get_file_writer().add_summary(session_end)

@@ -39,14 +39,15 @@ def configure_backend(config: DeviceConfig) -> None:
 def select_devices(config: DeviceConfig) -> list[jax.Device]:
     """The local devices to pmap over, or a ConfigError that says what exists."""
     try:
-        available = jax.local_devices() if config.platform == "auto" else jax.local_devices(
-            backend=_JAX_PLATFORM[config.platform]
-        )
-    except RuntimeError as e:
-        found = ", ".join(sorted({d.platform for d in jax.devices()})) if backend_started() else "unknown"
+        if config.platform == "auto":
+            available = jax.local_devices()
+        else:
+            available = jax.local_devices(backend=_JAX_PLATFORM[config.platform])
+    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError, or AssertionError for a missing CUDA
+        reason = str(e).splitlines()[0] if str(e) else f"no {config.platform} backend in this JAX installation"
         raise ConfigError(
-            f"key 'device.platform': {config.platform!r} is not available here (found: {found}); "
-            f"use device=auto or device=cpu ({str(e).splitlines()[0]})"
+            f"key 'device.platform': {config.platform!r} is not available here ({reason}); "
+            f"allowed here: auto, cpu"
         ) from None
     wanted = config.num_devices or len(available)
     if wanted > len(available):

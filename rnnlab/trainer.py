@@ -38,7 +38,11 @@ DROPOUT_STREAM = 3
 
 
 class NonFiniteLossError(RuntimeError):
-    """The training loss or gradient norm became NaN or Inf."""
+    """The training loss or gradient norm became NaN or Inf at `step`."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
 
 
 def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -83,10 +87,19 @@ def create_train_state(
 
 
 def train_step(
-    state: train_state.TrainState, batch: data.Batch, task: data.Task, schedule: optax.Schedule,
+    state: train_state.TrainState,
+    batch: data.Batch,
+    task: data.Task,
+    schedule: optax.Schedule,
+    skip_nonfinite: bool = False,
     seed: int = 0,
 ) -> tuple[train_state.TrainState, dict[str, jax.Array]]:
-    """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`."""
+    """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`.
+
+    skip_nonfinite: if the loss or gradient norm is NaN/Inf, keep the old parameters and
+    optimizer state (the step counter still advances, so the data stream moves on) and
+    report `skipped` = 1.
+    """
 
     # Dropout masks from (seed, step, device index): a resumed run draws the same ones.
     dropout_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), state.step)
@@ -101,7 +114,13 @@ def train_step(
     metrics = jax.lax.pmean({"loss": loss, task.metric_name: metric}, parallel.AXIS)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step + 1)
-    return state.apply_gradients(grads=grads), metrics
+    new_state = state.apply_gradients(grads=grads)
+    if skip_nonfinite:
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
+        keep_old = state.replace(step=new_state.step)
+        new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_state, keep_old)
+        metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
+    return new_state, metrics
 
 
 def eval_step(state: train_state.TrainState, batch: data.Batch, task: data.Task) -> dict[str, jax.Array]:
@@ -120,10 +139,17 @@ def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: l
     return jax.pmap(sample, axis_name=parallel.AXIS, devices=devices)
 
 
-def _mean_metrics(pending: list[dict[str, jax.Array]]) -> dict[str, float]:
-    """Host-side mean over a window of replicated step metrics (this is a host sync)."""
-    window = jax.device_get(pending)  # list of {name: f32[num_devices]}, identical across devices
-    return {k: float(np.mean([m[k][0] for m in window])) for k in window[0]}
+def _host_metrics(pending: list[dict[str, jax.Array]]) -> list[dict[str, float]]:
+    """Replicated per-step metrics -> host floats, one dict per step (this is a host sync)."""
+    return [{k: float(v[0]) for k, v in m.items()} for m in jax.device_get(pending)]
+
+
+def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+def _is_finite(row: dict[str, float]) -> bool:
+    return bool(np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]))
 
 
 @dataclasses.dataclass
@@ -150,21 +176,37 @@ class _Run:
     last_train: dict[str, float] = dataclasses.field(default_factory=dict)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
     final_step: int = 0
+    skipped_updates: int = 0
     progress: ProgressBar | None = None  # a live bar on a terminal, else nothing
 
     def check_finite(self, step: int, pending: list) -> dict[str, float]:
-        """The window's mean metrics (a host sync); NonFiniteLossError if loss or grad norm is NaN/Inf."""
-        metrics = _mean_metrics(pending)
-        if not (np.isfinite(metrics["loss"]) and np.isfinite(metrics["grad_norm"])):
+        """Mean metrics of the window of steps ending at `step` (a host sync).
+
+        on_nonfinite=stop: NonFiniteLossError naming the first step whose loss or gradient
+        norm is NaN/Inf. on_nonfinite=skip: those steps' updates were dropped in train_step;
+        they are counted (`skipped_updates`) and left out of the means.
+        """
+        rows = _host_metrics(pending)
+        first = step - len(rows) + 1
+        bad = [first + i for i, row in enumerate(rows) if not _is_finite(row)]
+        if self.config.on_nonfinite == "skip":
+            skipped = sum(row.pop("skipped") for row in rows)
+            metrics = _mean([row for row in rows if _is_finite(row)]) or {k: float("nan") for k in rows[0]}
+            return metrics | {"skipped_updates": skipped}
+        if bad:
+            row = rows[bad[0] - first]
             raise NonFiniteLossError(
-                f"non-finite loss or gradient norm by step {step} (loss={metrics['loss']}, "
-                f"grad_norm={metrics['grad_norm']}); lower optimizer.lr or set optimizer.clip_norm"
+                f"non-finite training at step {bad[0]} (loss={row['loss']}, grad_norm={row['grad_norm']}); "
+                f"no checkpoint at or after it was written. Lower optimizer.lr (now {self.config.optimizer.lr:g}), "
+                f"keep optimizer.clip_norm > 0 (now {self.config.optimizer.clip_norm:g}), or set on_nonfinite=skip",
+                step=bad[0],
             )
-        return metrics
+        return _mean(rows)
 
     def log_train(self, step: int, pending: list, window: tuple[float, int]) -> None:
         """Write the window's mean metrics and throughput to TensorBoard and the console."""
         metrics = self.check_finite(step, pending)
+        self.skipped_updates += int(metrics.get("skipped_updates", 0))
         elapsed, steps = self.clock.elapsed() - window[0], self.timed_steps - window[1]
         perf = {}
         if steps > 0 and elapsed > 0:
@@ -187,8 +229,7 @@ class _Run:
             self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
 
     def evaluate(self, step: int, state: Any) -> None:
-        results = [self.p_eval_step(state, batch) for batch in self.eval_batches]
-        metrics = _mean_metrics(results)
+        metrics = _mean(_host_metrics([self.p_eval_step(state, batch) for batch in self.eval_batches]))
         self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         self.last_eval = metrics
         log.info(
@@ -217,6 +258,7 @@ class _Run:
             "mfu": flops.mfu(tokens_per_sec and tokens_per_sec * self.flops_per_step / self.tokens_per_step,
                              self.peak_flops, self.devices),
             "compile_seconds": self.compile_seconds,
+            "skipped_updates": self.skipped_updates,
             "wall_seconds": time.perf_counter() - wall_start,
         }
 
@@ -224,12 +266,15 @@ class _Run:
 def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any]:
     """Train `config` in run dir `workdir` (resuming there if it holds checkpoints); returns results.json's dict.
 
-    Raises ConfigError for bad input (before anything compiles), NonFiniteLossError if
-    training diverges. `results["status"]` is "preempted" after SIGTERM/SIGINT.
+    Raises ConfigError for bad input (before anything compiles), CheckpointError if no
+    checkpoint of the run dir can be restored, NonFiniteLossError if training diverges
+    (with on_nonfinite=stop). results.json is written in every case: `status` is
+    "completed", "preempted" (SIGTERM/first SIGINT), "diverged", "aborted" (second SIGINT)
+    or "failed".
     """
     wall_start = time.perf_counter()
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    _check_writable(workdir)
     parallel.configure_backend(config.device)
     devices = parallel.select_devices(config.device)
     per_device = parallel.check_batch_divides(config.batch_size, len(devices))
@@ -270,7 +315,9 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         task=task,
         devices=devices,
         p_train_step=jax.pmap(
-            functools.partial(train_step, task=task, schedule=schedule, seed=config.seed),
+            functools.partial(
+                train_step, task=task, schedule=schedule, skip_nonfinite=config.on_nonfinite == "skip", seed=config.seed,
+            ),
             axis_name=parallel.AXIS, devices=devices, donate_argnums=(0,),
         ),
         p_eval_step=jax.pmap(functools.partial(eval_step, task=task), axis_name=parallel.AXIS, devices=devices),
@@ -294,20 +341,26 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     )
 
     state = parallel.replicate(state, devices)
+    status, step = "failed", None  # what results.json says if the loop raises something unexpected
     try:
         status = _train_loop(run, state, start_step)
+    except NonFiniteLossError as e:
+        status, step = "diverged", e.step
+        raise
+    except KeyboardInterrupt:
+        status = "aborted"
+        raise
     finally:
         run.progress.close()
         run.profiler.stop()
-        checkpointer.wait()  # an async save in flight completes even if training failed
+        checkpointer.wait()  # an async save in flight completes whatever happened
         checkpointer.close()
-    step = max(start_step, run.final_step)
-    results = run.results(status, step, num_params, wall_start)
-    write_results(workdir / "results.json", results)
-    run.writer.close()
+        results = run.results(status, step or max(start_step, run.final_step), num_params, wall_start)
+        write_results(workdir / "results.json", results)
+        run.writer.close()
     log.info(
         "%s at step %d | eval loss %.4f (baseline %.4f) | %s %s | %s tokens/s | compile %.1fs | wall %.1fs",
-        status, step, results["eval_loss"] or float("nan"), task.baseline_loss, task.metric_name,
+        status, results["step"], results["eval_loss"] or float("nan"), task.baseline_loss, task.metric_name,
         results["eval_metric"], f"{results['tokens_per_sec']:,.0f}" if results["tokens_per_sec"] else "n/a",
         results["compile_seconds"] or 0.0, results["wall_seconds"],
     )
@@ -354,9 +407,20 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                 if pending:
                     run.check_finite(step, pending)  # never checkpoint a diverged state
                 with run.clock.paused():
+                    run.writer.flush()  # events up to a checkpoint are on disk before the checkpoint is
                     checkpointer.save(step, parallel.unreplicate_to_host(state), force=True)
             if stopping:
                 return "preempted"
     if start_step >= config.steps:  # nothing left to train: evaluate the restored state
         run.evaluate(start_step, state)
     return "completed"
+
+
+def _check_writable(workdir: Path) -> None:
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise cfg.ConfigError(f"run dir {workdir} is not writable ({e.strerror or e}); choose hydra.run.dir") from None

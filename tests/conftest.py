@@ -45,12 +45,38 @@ def tiny_config(*overrides):
 
 def run_train(args, cwd, env_extra=None, timeout=300):
     """`python train.py ARGS` in a fresh process; returns the CompletedProcess."""
-    env = {**os.environ, **(env_extra or {})}
-    env.pop("JAX_NUM_CPU_DEVICES", None)  # the command line decides the device count
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd, env=train_env(env_extra), capture_output=True, text=True, timeout=timeout,
     )
+
+
+def train_env(extra=None):
+    """The environment of a `train.py` subprocess: ours, less the simulated device count of this
+    test process (the command line decides it; the count also changes XLA's CPU threading, so
+    runs compared bit for bit must agree on it)."""
+    env = {**os.environ, **(extra or {})}
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    return env
+
+
+def saved_state(workdir, step):
+    """Read a checkpoint back with Orbax alone (no rnnlab code), as a plain tree of arrays."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager((Path(workdir) / "checkpoints").absolute()) as manager:
+        return manager.restore(step, args=ocp.args.StandardRestore())
+
+
+def assert_same_tree(a, b):
+    """Bit-identical leaves."""
+    import jax
+    import numpy as np
+
+    leaves_a, leaves_b = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import compose_config, tiny_config
+from conftest import assert_same_tree, compose_config, saved_state, tiny_config
 from rnnlab import data, parallel
 from rnnlab.models import RecurrentModel
 from rnnlab.trainer import create_train_state, make_optimizer, pmap_sampler, train_and_evaluate, train_step
@@ -23,12 +22,6 @@ TB_TAGS = {
     "train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/mse",
     "perf/tokens_per_sec", "perf/steps_per_sec", "perf/flops_per_sec",
 }
-
-
-def saved_state(workdir, step):
-    """Read a checkpoint back with Orbax alone (no rnnlab code), as a plain tree."""
-    with ocp.CheckpointManager((workdir / "checkpoints").absolute()) as manager:
-        return manager.restore(step, args=ocp.args.StandardRestore())
 
 
 def test_one_train_step_changes_every_parameter():
@@ -98,8 +91,7 @@ def test_resumed_run_continues_from_the_saved_step_and_matches(tmp_path, caplog)
     with caplog.at_level(logging.INFO, logger="rnnlab.trainer"):
         resumed = train_and_evaluate(config, tmp_path)
     assert "at step 6" in caplog.text and resumed["step"] == 9
-    for x, y in zip(jax.tree_util.tree_leaves(uninterrupted), jax.tree_util.tree_leaves(saved_state(tmp_path, 9))):
-        np.testing.assert_array_equal(x, y)
+    assert_same_tree(uninterrupted, saved_state(tmp_path, 9))
     # Steps 8 and 9, logged twice, are shown once: the resumed writer purges what followed step 6.
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -142,3 +134,25 @@ def test_batch_that_does_not_divide_fails_before_compiling(tmp_path):
     with pytest.raises(ConfigError, match="'batch_size': got 30, must be divisible by the 4 devices"):
         train_and_evaluate(tiny_config("batch_size=30", "device.num_devices=4"), tmp_path)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
+
+
+def test_same_seed_is_bit_identical_and_another_seed_differs(tmp_path):
+    runs = {name: tiny_config("steps=4", f"seed={seed}") for name, seed in (("a", 0), ("b", 0), ("c", 1))}
+    for name, config in runs.items():
+        train_and_evaluate(config, tmp_path / name)
+    a, b, c = (saved_state(tmp_path / name, 4)["params"] for name in "abc")
+    assert_same_tree(a, b)
+    assert not np.array_equal(a["readout"]["kernel"], c["readout"]["kernel"])
+
+
+def test_skip_mode_drops_nonfinite_updates_and_counts_them(tmp_path):
+    config = tiny_config("steps=4", "on_nonfinite=skip", "optimizer.lr=1e30", "optimizer.warmup_steps=0")
+    results = train_and_evaluate(config, tmp_path)
+    assert results["status"] == "completed" and results["step"] == 4
+    # Step 1 is finite (it makes the parameters huge); every later update overflows and is dropped.
+    assert results["skipped_updates"] == 3
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("train/skipped_updates")] == [1.0, 2.0]
+    first = saved_state(tmp_path, 3)["params"]
+    assert_same_tree(first, saved_state(tmp_path, 4)["params"])
