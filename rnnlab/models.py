@@ -33,10 +33,11 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class RecurrentLayer(nn.Module):
     """One layer over a whole sequence: a cell (`rnnlab.cells`) scanned over time with `nn.scan`.
 
-    The input term `x W_xh + b` (f32[B, T, G*H]) is one matmul over all time steps
-    before the scan (`hoist_input`), or `x_t W_xh + b` inside it; either way only the
-    cell's recurrent matmul is sequential. Call signature `(carry, unused) -> (carry,
-    None)` so the layer itself can be scanned over the stack; the carry is the sequence.
+    The input term `x W_xh + b` (f32[T, B, G*H]) is one matmul over all time steps
+    before the scan (`hoist_input`), or `x_t W_xh + b` inside it (the same function;
+    on a 2-core CPU the in-scan form measured faster, see scripts/bench_cells.py). Call
+    signature `(carry, unused) -> (carry, None)` so the layer itself can be scanned
+    over the stack; the carry is the sequence.
     """
 
     hidden_dim: int
@@ -68,13 +69,16 @@ class RecurrentLayer(nn.Module):
 
         if self.remat:
             step = nn.remat(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
+        # Time-major inside the scan: slicing step t off a leading axis is a contiguous
+        # read (and its gradient a contiguous write), unlike a slice of axis 1.
         time_scan = nn.scan(
-            step, variable_broadcast="params", split_rngs={"params": False},
-            in_axes=1, out_axes=1, unroll=self.unroll,
+            step, variable_broadcast="params", split_rngs={"params": False}, unroll=self.unroll,
         )
         cell = cell_cls(self.hidden_dim, self.init_scheme, self.activation, self.dtype, name="cell")
-        xs = x @ w_xh + b if hoist else x  # [B, T, G*H] or [B, T, I]
-        _, hs = time_scan(cell, cell_cls.initial_carry(x.shape[0], self.hidden_dim, self.dtype), xs)
+        x = jnp.swapaxes(x, 0, 1)  # [T, B, I]
+        xs = x @ w_xh + b if hoist else x  # [T, B, G*H] or [T, B, I]
+        _, hs = time_scan(cell, cell_cls.initial_carry(x.shape[1], self.hidden_dim, self.dtype), xs)
+        hs = jnp.swapaxes(hs, 0, 1)  # [B, T, H]
         if self.dropout > 0:
             hs = nn.Dropout(self.dropout, deterministic=self.deterministic)(hs)
         return hs, None
