@@ -168,9 +168,8 @@ def timed(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def bench_row(cell: str, row: tuple, args, peak: float | None, torch_ok: bool) -> dict:
+def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | None, torch_ok: bool) -> dict:
     h, b, t, layers = row
-    config = compose(cell, h, b, t, layers, args.override)
     load_start = load()
     ours = RnnlabStep(config)
     runners = {"rnnlab": ours}
@@ -257,18 +256,18 @@ def main(argv: list[str] | None = None) -> dict:
     header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
               f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}")
     print(header)
-    results = []
-    for cell in args.cells:
-        for i in args.rows:
-            r = bench_row(cell, GRID[i], args, peak, torch_ok)
-            results.append(r)
-            print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['step_ms']:9.2f} "
-                  f"{r['tokens_per_sec']:10,.0f} {r['gflops_per_sec']:8.1f} {fmt(r['mfu'], '6.1%')} "
-                  f"{r['compile_seconds']:9.2f} {fmt(r['torch_step_ms'], '9.2f')} {fmt(r['vs_torch'], '7.2f')}x "
-                  f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}", flush=True)
+    # Every config composed (and validated) before anything is timed.
+    configs = {(cell, i): compose(cell, *GRID[i], args.override) for cell in args.cells for i in args.rows}
     out = {"device": flops.device_key(device), "jax": jax.__version__, "torch": torch_note,
-           "peak_flops_float32": peak, "command": " ".join(sys.argv), "results": results}
-    args.json.write_text(json.dumps(out, indent=2) + "\n")
+           "peak_flops_float32": peak, "command": " ".join(sys.argv), "results": []}
+    for (cell, i), config in configs.items():
+        r = bench_row(cell, GRID[i], config, args, peak, torch_ok)
+        out["results"].append(r)
+        args.json.write_text(json.dumps(out, indent=2) + "\n")  # after every row: a partial run keeps its rows
+        print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['step_ms']:9.2f} "
+              f"{r['tokens_per_sec']:10,.0f} {r['gflops_per_sec']:8.1f} {fmt(r['mfu'], '6.1%')} "
+              f"{r['compile_seconds']:9.2f} {fmt(r['torch_step_ms'], '9.2f')} {fmt(r['vs_torch'], '7.2f')}x "
+              f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}", flush=True)
     print(f"wrote {args.json}")
     return out
 
