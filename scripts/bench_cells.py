@@ -82,6 +82,7 @@ def bench_init(args) -> None:
           f"T={args.seq_len}; seconds, median of {args.repeats}\n")
     print("| num_layers | scan: compile | scan: run | scan: total | vmap: compile | vmap: run | vmap: total | scan/vmap |")
     print("|---|---|---|---|---|---|---|---|")
+    init_seconds(dataclasses.replace(BASE, cell=args.cells[0]), args.batch, args.seq_len)  # warm-up, untimed
     for layers in args.layer_counts:
         results = {"scan": [], "vmap": []}
         for _ in range(args.repeats):
