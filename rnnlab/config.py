@@ -21,6 +21,7 @@ TASKS = ("adding", "copy")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+STRATEGIES = ("pmap", "shard_map")
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -74,6 +75,18 @@ class OptimizerConfig:
 class DeviceConfig:
     platform: str
     num_devices: Optional[int]
+    strategy: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process JAX (`jax.distributed.initialize`): null fields are auto-detected
+    on TPU pods and under SLURM; on CPU all three are needed (gloo over the network)."""
+
+    enabled: bool
+    coordinator_address: Optional[str]
+    num_processes: Optional[int]
+    process_id: Optional[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +119,7 @@ class Config:
     data: DataConfig
     optimizer: OptimizerConfig
     device: DeviceConfig
+    distributed: DistributedConfig
     checkpoint: CheckpointConfig
     profile: ProfileConfig
 
@@ -263,7 +277,15 @@ def validate(c: Config) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"key 'optimizer.{key}': got {value}, must be in [0, 1)")
 
+    d = c.distributed
+    if d.num_processes is not None:
+        _positive("distributed.num_processes", d.num_processes)
+    if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or 1):
+        raise ConfigError(
+            f"key 'distributed.process_id': got {d.process_id}, must be in [0, distributed.num_processes={d.num_processes})"
+        )
     _choice("device.platform", c.device.platform, PLATFORMS)
+    _choice("device.strategy", c.device.strategy, STRATEGIES)
     if c.device.num_devices is not None:
         _positive("device.num_devices", c.device.num_devices)
 

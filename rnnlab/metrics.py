@@ -24,8 +24,9 @@ class MetricWriter:
     that the interrupted run wrote after its last checkpoint instead of doubling them.
     """
 
-    def __init__(self, logdir: Path, purge_step: int | None = None):
-        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, flush_secs=30)
+    def __init__(self, logdir: Path, purge_step: int | None = None, enabled: bool = True):
+        # Disabled (processes other than 0): nothing is written or created on disk.
+        self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, flush_secs=30, write_to_disk=enabled)
 
     def write_scalars(self, step: int, scalars: Mapping[str, float | None]) -> None:
         for tag, value in scalars.items():

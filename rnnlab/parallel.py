@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from rnnlab.config import ConfigError, DeviceConfig
+from rnnlab.config import ConfigError, DeviceConfig, DistributedConfig
 
 AXIS = "devices"  # the pmap axis name over which gradients and metrics are averaged
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -36,8 +36,48 @@ def configure_backend(config: DeviceConfig) -> None:
         jax.config.update("jax_num_cpu_devices", max(config.num_devices, jax.config.jax_num_cpu_devices))
 
 
+def initialize_distributed(config: DistributedConfig, platform: str) -> None:
+    """Join the multi-process JAX runtime (after `configure_backend`, before any device query).
+
+    Null fields are left to JAX's auto-detection (TPU pods, SLURM). On CPU, collectives
+    across processes go through gloo.
+    """
+    if not config.enabled or jax.distributed.is_initialized():
+        return
+    if platform in ("auto", "cpu"):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=config.coordinator_address,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+    )
+
+
+def is_primary() -> bool:
+    """Process 0 is the one writer of TensorBoard events, results.json and the console summary."""
+    return jax.process_index() == 0
+
+
+def local_count(devices: Sequence[jax.Device]) -> int:
+    """How many of `devices` belong to this process (the leading axis of pmap's per-process arrays)."""
+    return sum(d.process_index == jax.process_index() for d in devices)
+
+
 def select_devices(config: DeviceConfig) -> list[jax.Device]:
-    """The local devices to pmap over, or a ConfigError that says what exists."""
+    """The devices to pmap over, or a ConfigError that says what exists.
+
+    One process: its first `num_devices` local devices. Several processes: every device
+    of every process (pmap's device list is global); `num_devices` must then be null or
+    this process's local device count.
+    """
+    if jax.process_count() > 1:
+        local = jax.local_devices()
+        if config.num_devices not in (None, len(local)):
+            raise ConfigError(
+                f"key 'device.num_devices': got {config.num_devices}, but with several processes every "
+                f"process uses all its {len(local)} local devices (set null or {len(local)})"
+            )
+        return jax.devices()
     try:
         if config.platform == "auto":
             available = jax.local_devices()
@@ -80,11 +120,19 @@ def replicate(tree: Any, devices: Sequence[jax.Device]) -> Any:
 
     The sharding is the one `pmap` gives its outputs (a mesh over `AXIS`), so the state
     fed to the first step and the state a step returns have the same type: one compile.
+    With several processes each one fills only its own devices (the value is the same
+    everywhere), giving one global array per leaf.
     """
     mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(AXIS))
-    stacked = lambda x: np.broadcast_to(np.asarray(x), (len(devices), *np.shape(x)))  # noqa: E731
-    return jax.tree_util.tree_map(lambda x: jax.device_put(stacked(x), sharding), tree)
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(
+            (len(devices), *x.shape), sharding, lambda index: np.broadcast_to(x, (len(devices), *x.shape))[index]
+        )
+
+    return jax.tree_util.tree_map(put, tree)
 
 
 def unreplicate_to_host(tree: Any) -> Any:
@@ -94,3 +142,62 @@ def unreplicate_to_host(tree: Any) -> Any:
     """
     return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
 
+
+
+REPLICATED, SHARDED = "replicated", "sharded"  # the layouts a DataParallel function's arguments take
+
+
+class DataParallel:
+    """Runs per-device functions (with collectives over `AXIS`) on `devices` by one of two strategies.
+
+    pmap (default): `jax.pmap`; every array carries a leading [num_devices] axis, the
+    state as identical copies, a batch as one shard per device.
+    shard_map: `jax.jit` of `jax.shard_map` over a 1-D `Mesh`, the path JAX now
+    recommends; the state is one replicated global array (no device axis) and a batch is
+    sharded along its leading (example) axis. Both run the same per-device code and so
+    the same training trajectory.
+
+    `map(fn, in_layouts, out_layouts)` takes each argument's and result's layout,
+    REPLICATED or SHARDED (pmap ignores them: its layout is always "one slice per device").
+    """
+
+    def __init__(self, devices: Sequence[jax.Device], strategy: str = "pmap"):
+        self.devices = list(devices)
+        self.strategy = strategy
+        self.mesh = jax.sharding.Mesh(np.array(self.devices), (AXIS,))
+
+    def _spec(self, layout: str) -> jax.sharding.PartitionSpec:
+        return jax.sharding.PartitionSpec(AXIS) if layout == SHARDED else jax.sharding.PartitionSpec()
+
+    def map(self, fn, in_layouts: tuple[str, ...], out_layouts: Any, donate_argnums: tuple[int, ...] = ()):
+        if self.strategy == "pmap":
+            return jax.pmap(fn, axis_name=AXIS, devices=self.devices, donate_argnums=donate_argnums)
+        specs = jax.tree_util.tree_map(self._spec, out_layouts)
+        # check_vma=False: the recurrent scans start from an unsharded zero carry that becomes
+        # device-varying, which the varying-axes type check rejects; replicated outputs are
+        # replicated by construction (they come out of pmean), as under pmap.
+        mapped = jax.shard_map(
+            fn, mesh=self.mesh, in_specs=tuple(map(self._spec, in_layouts)), out_specs=specs, check_vma=False
+        )
+        return jax.jit(mapped, donate_argnums=donate_argnums)
+
+    def replicate(self, tree: Any) -> Any:
+        """Host values -> the replicated layout on every device."""
+        if self.strategy == "pmap":
+            return replicate(tree, self.devices)
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.tree_util.tree_map(
+            lambda x: jax.make_array_from_callback(np.shape(x), sharding, lambda index: np.asarray(x)[index]), tree
+        )
+
+    def to_host(self, tree: Any) -> Any:
+        """Replicated layout -> NumPy values (one device's copy; no computation, nothing compiled)."""
+        if self.strategy == "pmap":
+            return unreplicate_to_host(tree)
+        return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+
+    def host_scalar(self, value: int) -> np.ndarray:
+        """An int32 argument in the replicated layout, as host data."""
+        if self.strategy == "pmap":
+            return np.full(local_count(self.devices), value, np.int32)
+        return np.int32(value)

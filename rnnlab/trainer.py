@@ -1,7 +1,8 @@
 """Training state, the pure train/eval steps, and the training loop (`train_and_evaluate`).
 
-Inside the loop the state is always replicated (leaves carry a leading device axis);
-the checkpointer sees it unreplicated.
+Inside the loop the state is always in the replicated layout of `parallel.DataParallel`
+(pmap: leaves carry a leading device axis; shard_map: one replicated global array); the
+checkpointer sees it unreplicated, as NumPy.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -129,19 +131,19 @@ def eval_step(state: train_state.TrainState, batch: data.Batch, task: data.Task)
     return jax.lax.pmean({"loss": loss, task.metric_name: metric}, parallel.AXIS)
 
 
-def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: list) -> Callable:
-    """pmapped `step[num_devices] -> Batch`: each device draws its own slice of the global batch."""
+def make_sampler(task: data.Task, stream: jax.Array, per_device: int, dp: parallel.DataParallel) -> Callable:
+    """`step -> Batch` on every device: each device draws its own slice of the global batch."""
 
     def sample(step):
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         return data.sample_batch(task, stream, step, first, per_device)
 
-    return jax.pmap(sample, axis_name=parallel.AXIS, devices=devices)
+    return dp.map(sample, (parallel.REPLICATED,), parallel.SHARDED)
 
 
-def _host_metrics(pending: list[dict[str, jax.Array]]) -> list[dict[str, float]]:
-    """Replicated per-step metrics -> host floats, one dict per step (this is a host sync)."""
-    return [{k: float(v[0]) for k, v in m.items()} for m in jax.device_get(pending)]
+def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: list) -> Callable:
+    """`make_sampler` with pmap: `step[num_devices] -> Batch` with a leading device axis."""
+    return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -160,6 +162,7 @@ class _Run:
     workdir: Path
     task: data.Task
     devices: list
+    dp: parallel.DataParallel
     p_train_step: Callable
     p_eval_step: Callable
     p_train_batch: Callable
@@ -179,6 +182,10 @@ class _Run:
     skipped_updates: int = 0
     progress: ProgressBar | None = None  # a live bar on a terminal, else nothing
 
+    def host_metrics(self, pending: list[dict[str, jax.Array]]) -> list[dict[str, float]]:
+        """Per-step metrics (replicated layout) -> host floats, one dict per step (a host sync)."""
+        return [{k: float(v) for k, v in self.dp.to_host(m).items()} for m in pending]
+
     def check_finite(self, step: int, pending: list) -> dict[str, float]:
         """Mean metrics of the window of steps ending at `step` (a host sync).
 
@@ -186,7 +193,7 @@ class _Run:
         norm is NaN/Inf. on_nonfinite=skip: those steps' updates were dropped in train_step;
         they are counted (`skipped_updates`) and left out of the means.
         """
-        rows = _host_metrics(pending)
+        rows = self.host_metrics(pending)
         first = step - len(rows) + 1
         bad = [first + i for i, row in enumerate(rows) if not _is_finite(row)]
         if self.config.on_nonfinite == "skip":
@@ -229,7 +236,7 @@ class _Run:
             self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
 
     def evaluate(self, step: int, state: Any) -> None:
-        metrics = _mean(_host_metrics([self.p_eval_step(state, batch) for batch in self.eval_batches]))
+        metrics = _mean(self.host_metrics([self.p_eval_step(state, batch) for batch in self.eval_batches]))
         self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         self.last_eval = metrics
         log.info(
@@ -276,6 +283,10 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     workdir = Path(workdir)
     _check_writable(workdir)
     parallel.configure_backend(config.device)
+    parallel.initialize_distributed(config.distributed, config.device.platform)
+    primary = parallel.is_primary()
+    if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
+        log.setLevel(logging.WARNING)
     devices = parallel.select_devices(config.device)
     per_device = parallel.check_batch_divides(config.batch_size, len(devices))
     task = data.make_task(config.data)
@@ -293,9 +304,10 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
     params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
-    summary = summary_table(model, example)
-    (workdir / "model_summary.txt").write_text(summary)
-    print(summary)
+    if primary:
+        summary = summary_table(model, example)
+        (workdir / "model_summary.txt").write_text(summary)
+        print(summary)
 
     # Restore order: this run dir's newest restorable checkpoint, else a fresh initialisation.
     state = create_train_state(params_key, model, example, tx)
@@ -303,36 +315,39 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     if restored is not None:
         state, _ = restored
         log.info("resumed from %s at step %d", checkpointer.directory, int(state.step))
-    else:
+    elif primary:
         checkpointer.write_run_config(flat_config)
     start_step = int(state.step)
     num_params = count_params(state.params)
 
     tokens_per_step = config.batch_size * task.total_len
+    dp = parallel.DataParallel(devices, config.device.strategy)
+    replicated, sharded = parallel.REPLICATED, parallel.SHARDED
     run = _Run(
         config=config,
         workdir=workdir,
         task=task,
         devices=devices,
-        p_train_step=jax.pmap(
+        dp=dp,
+        p_train_step=dp.map(
             functools.partial(
                 train_step, task=task, schedule=schedule, skip_nonfinite=config.on_nonfinite == "skip", seed=config.seed,
             ),
-            axis_name=parallel.AXIS, devices=devices, donate_argnums=(0,),
+            (replicated, sharded), (replicated, replicated), donate_argnums=(0,),
         ),
-        p_eval_step=jax.pmap(functools.partial(eval_step, task=task), axis_name=parallel.AXIS, devices=devices),
-        p_train_batch=pmap_sampler(task, data.stream_key(config.seed, data.TRAIN_STREAM), per_device, devices),
+        p_eval_step=dp.map(functools.partial(eval_step, task=task), (replicated, sharded), replicated),
+        p_train_batch=make_sampler(task, data.stream_key(config.seed, data.TRAIN_STREAM), per_device, dp),
         eval_batches=[],
         checkpointer=checkpointer,
-        writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None),
+        writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None, enabled=primary),
         tokens_per_step=tokens_per_step,
         flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
-        peak_flops=flops.peak_flops(devices[0], config.model.dtype),  # cached, else ~1 s to measure
+        peak_flops=flops.peak_flops(jax.local_devices()[0], config.model.dtype),  # cached, else ~1 s to measure
         profiler=StepProfiler(config.profile, workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
     )
-    p_eval_batch = pmap_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, devices)
-    run.eval_batches = [p_eval_batch(np.full(len(devices), i, np.int32)) for i in range(config.eval_batches)]
+    p_eval_batch = make_sampler(task, data.stream_key(config.seed, data.EVAL_STREAM), per_device, dp)
+    run.eval_batches = [p_eval_batch(dp.host_scalar(i)) for i in range(config.eval_batches)]
     run.writer.write_hparams(flat_config)
     log.info(
         "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s) x batch %d | %d tokens/step | %.3g FLOPs/step",
@@ -340,7 +355,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         per_device, tokens_per_step, run.flops_per_step,
     )
 
-    state = parallel.replicate(state, devices)
+    state = dp.replicate(state)
     status, step = "failed", None  # what results.json says if the loop raises something unexpected
     try:
         status = _train_loop(run, state, start_step)
@@ -356,7 +371,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         checkpointer.wait()  # an async save in flight completes whatever happened
         checkpointer.close()
         results = run.results(status, step or max(start_step, run.final_step), num_params, wall_start)
-        write_results(workdir / "results.json", results)
+        if primary:
+            write_results(workdir / "results.json", results)
         run.writer.close()
     log.info(
         "%s at step %d | eval loss %.4f (baseline %.4f) | %s %s | %s tokens/s | compile %.1fs | wall %.1fs",
@@ -394,7 +410,7 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                 run.clock.start()
                 window = (run.clock.elapsed(), run.timed_steps)
             run.final_step = step
-            is_last, stopping = step == config.steps, guard.requested is not None
+            is_last, stopping = step == config.steps, _stop_requested(guard, step)
             if step % config.log_every == 0 or is_last or stopping:
                 close_window(step)  # host sync
             elif step % MAX_STEPS_IN_FLIGHT == 0:
@@ -408,7 +424,7 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                     run.check_finite(step, pending)  # never checkpoint a diverged state
                 with run.clock.paused():
                     run.writer.flush()  # events up to a checkpoint are on disk before the checkpoint is
-                    checkpointer.save(step, parallel.unreplicate_to_host(state), force=True)
+                    checkpointer.save(step, run.dp.to_host(state), force=True)
             if stopping:
                 return "preempted"
     if start_step >= config.steps:  # nothing left to train: evaluate the restored state
@@ -416,10 +432,22 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
     return "completed"
 
 
+def _stop_requested(guard: PreemptionGuard, step: int) -> bool:
+    """Whether to stop after `step`. With several processes, all must stop at the same step:
+    they agree (a tiny all-gather) every MAX_STEPS_IN_FLIGHT steps, where the loop syncs anyway."""
+    if jax.process_count() == 1:
+        return guard.requested is not None
+    if step % MAX_STEPS_IN_FLIGHT:
+        return False
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(guard.requested is not None)).any())
+
+
 def _check_writable(workdir: Path) -> None:
     try:
         workdir.mkdir(parents=True, exist_ok=True)
-        probe = workdir / ".write_test"
+        probe = workdir / f".write_test.{os.getpid()}"  # per process: several may share the run dir
         probe.write_text("")
         probe.unlink()
     except OSError as e:

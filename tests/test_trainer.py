@@ -109,17 +109,20 @@ def test_pmap_over_two_devices_matches_one_device(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-def test_train_step_compiles_once(tmp_path, caplog):
+@pytest.mark.parametrize("strategy", ["pmap", "shard_map"])
+def test_train_step_compiles_once(tmp_path, caplog, strategy):
+    config = tiny_config("steps=40", "log_every=5", "eval_every=10", "checkpoint.every=10", f"device.strategy={strategy}")
     with caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
         jax.config.update("jax_log_compiles", True)
         try:
-            train_and_evaluate(tiny_config("steps=40", "log_every=5", "eval_every=10", "checkpoint.every=10"), tmp_path)
+            train_and_evaluate(config, tmp_path)
         finally:
             jax.config.update("jax_log_compiles", False)
-    # pmapped functions log as jit(_fun): the sampler (train + eval stream share the code but
-    # not the key), the train step and the eval step; nothing more over 40 steps.
-    pmap_compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith("Compiling jit(_fun)")]
-    assert len(pmap_compiles) == 4, pmap_compiles
+    # The train and eval samplers (same code, different keys), the train step and the eval
+    # step compile once each (pmap logs them all as jit(_fun)); nothing more over 40 steps.
+    names = ("jit(_fun)", "jit(sample)", "jit(train_step)", "jit(eval_step)")
+    compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith(tuple(f"Compiling {n}" for n in names))]
+    assert len(compiles) == 4, compiles
 
 
 def test_default_job_learns(tmp_path):
@@ -156,3 +159,16 @@ def test_skip_mode_drops_nonfinite_updates_and_counts_them(tmp_path):
     assert [e.value for e in events.Scalars("train/skipped_updates")] == [1.0, 2.0]
     first = saved_state(tmp_path, 3)["params"]
     assert_same_tree(first, saved_state(tmp_path, 4)["params"])
+
+
+def test_shard_map_strategy_matches_pmap_on_four_devices(tmp_path):
+    runs = {}
+    for strategy in ("pmap", "shard_map"):
+        config = tiny_config("steps=4", "batch_size=8", "device.num_devices=4", f"device.strategy={strategy}")
+        runs[strategy] = train_and_evaluate(config, tmp_path / strategy)
+    assert runs["shard_map"]["num_devices"] == 4
+    assert runs["shard_map"]["train_loss"] == pytest.approx(runs["pmap"]["train_loss"], rel=1e-5)
+    assert runs["shard_map"]["eval_loss"] == pytest.approx(runs["pmap"]["eval_loss"], rel=1e-5)
+    a, b = (saved_state(tmp_path / strategy, 4)["params"] for strategy in ("pmap", "shard_map"))
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
