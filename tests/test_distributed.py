@@ -87,6 +87,22 @@ def test_killed_pair_resumes(tmp_path, single_process_four_devices):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+def test_sigterm_to_one_process_stops_both_after_a_joint_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    procs = start_pair(run_dir, "steps=400", "checkpoint.every=0")
+    deadline = time.time() + 300
+    for line in procs[0].stdout:
+        if "step 20/400" in line or time.time() > deadline:
+            break
+    procs[1].send_signal(signal.SIGTERM)  # only process 1 is told
+    for p in procs:
+        p.communicate(timeout=300)
+    assert [p.returncode for p in procs] == [75, 75]
+    results = json.loads((run_dir / "results.json").read_text())
+    assert results["status"] == "preempted" and results["step"] % 16 == 0  # they agree at sync points
+    assert (run_dir / "checkpoints" / str(results["step"])).is_dir()
+
+
 def test_process_id_out_of_range_is_refused(tmp_path):
     proc = run_train([*RUN, "distributed.enabled=true", "distributed.num_processes=2", "distributed.process_id=2",
                       f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
