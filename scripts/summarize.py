@@ -88,6 +88,18 @@ def as_number(text: str) -> float | None:
         return None
 
 
+def short(text: str) -> str:
+    """An override value for display: long floats to 4 significant digits (0.0039807 -> 0.003981)."""
+    number = as_number(text)
+    return format(number, ".4g") if number is not None and "." in text and len(text) > 7 else text
+
+
+def natural(text: str) -> tuple:
+    """Sort key: numbers by value, before other strings."""
+    number = as_number(text)
+    return (number is None, number or 0.0, text)
+
+
 def fmt(value: Any, spec: str = ".4g") -> str:
     if value is None:
         return "n/a"
@@ -113,7 +125,7 @@ class Sweep:
 
     def label(self, i: int) -> str:
         """A short legend label: the swept overrides, else the job dir's name."""
-        parts = [f"{k.split('.')[-1]}={self.overrides[i][k]}" for k in self.swept if k in self.overrides[i]]
+        parts = [f"{k.split('.')[-1]}={short(self.overrides[i][k])}" for k in self.swept if k in self.overrides[i]]
         return " ".join(parts) or self.name(i)
 
     def metric_name(self) -> str:
@@ -132,7 +144,8 @@ class Sweep:
             loss = fmt(r.get("eval_loss")) + (" (best)" if i == best else "")
             number = re.match(r"(\d+)_", self.jobs[i].name)  # <num>_<overrides>: the overrides are columns
             rows.append({
-                "job": number.group(1) if number and self.swept else self.name(i), **{k: self.overrides[i].get(k, "") for k in self.swept},
+                "job": number.group(1) if number and self.swept else self.name(i),
+                **{k: short(self.overrides[i].get(k, "")) for k in self.swept},
                 "status": status, "eval loss": loss, f"eval {self.metric_name()}": fmt(r.get("eval_metric")),
                 "baseline": fmt(r.get("baseline_loss")), "tokens/s": fmt(r.get("tokens_per_sec"), ","),
                 "MFU": fmt(r.get("mfu"), ".2%"), "wall s": fmt(r.get("wall_seconds"), ".1f"),
@@ -201,7 +214,7 @@ def plot(sweep: Sweep, out: Path) -> list[Path]:
         axes[0].text(0.01, 0.02, "dashed: trivial baseline", transform=axes[0].transAxes, color="grey", fontsize=8)
     axes[0].set_ylabel("loss")
     axes[1].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{sweep.root}")
+    fig.suptitle(f"{sweep.root}: {len(sweep.jobs)} jobs")
     fig.tight_layout()
     written.append(out / "loss_curves.png")
     fig.savefig(written[-1], dpi=100)
@@ -217,21 +230,21 @@ def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
     done = [i for i, r in enumerate(sweep.results) if r.get("status") == OK and param in sweep.overrides[i]]
     raw = [sweep.overrides[i][param] for i in done]
     numeric = all(as_number(v) is not None for v in raw)
-    categories = sorted(set(raw), key=lambda v: (as_number(v) is None, as_number(v) or 0, v))
+    categories = sorted(set(raw), key=natural)
     x_of = (lambda v: as_number(v)) if numeric else (lambda v: categories.index(v))  # noqa: E731
     others = [k for k in sweep.swept if k != param]
     groups: dict[str, list[int]] = {}
     for i in done:
-        key = " ".join(f"{k.split('.')[-1]}={sweep.overrides[i].get(k, '')}" for k in others)
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(tuple(sweep.overrides[i].get(k, "") for k in others), []).append(i)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     fields = (("eval_metric", f"final eval {sweep.metric_name()}"), ("tokens_per_sec", "tokens/s"))
     for ax, (field, title) in zip(axes, fields):
-        for key, members in sorted(groups.items()):
+        for key, members in sorted(groups.items(), key=lambda item: [natural(v) for v in item[0]]):
             pts = sorted((x_of(sweep.overrides[i][param]), sweep.results[i].get(field)) for i in members)
             pts = [(x, y) for x, y in pts if y is not None]
+            label = " ".join(f"{k.split('.')[-1]}={short(v)}" for k, v in zip(others, key))
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=key or None)
+                ax.plot(*zip(*pts), marker="o", label=label or None)
         positive = numeric and raw and min(as_number(v) for v in raw) > 0
         if positive and max(as_number(v) for v in raw) / min(as_number(v) for v in raw) >= 10:
             ax.set_xscale("log")
@@ -239,7 +252,7 @@ def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
             ax.set_xticks(range(len(categories)), categories)
         ax.set(xlabel=param, title=title)
         ax.grid(True, alpha=0.3)
-        if any(groups) and len(groups) > 1:
+        if len(groups) > 1:
             ax.legend(fontsize=7)
     baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
     if sweep.metric_name() in ("mse", "loss") and len(baselines) == 1:

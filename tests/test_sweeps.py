@@ -73,6 +73,31 @@ def test_hparams_events_are_readable_per_job(grid_sweep):
 
 
 @pytest.mark.slow
+def test_tensorboard_hparams_dashboard_shows_one_row_per_job(grid_sweep):
+    """What `tensorboard --logdir <sweep dir>` serves to its HParams tab, from the plugin's own handlers."""
+    from tensorboard import context
+    from tensorboard.backend.event_processing import data_provider, plugin_event_multiplexer
+    from tensorboard.plugins import base_plugin
+    from tensorboard.plugins.hparams import api_pb2, backend_context, list_session_groups
+
+    multiplexer = plugin_event_multiplexer.EventMultiplexer()
+    multiplexer.AddRunsFromDirectory(str(grid_sweep))
+    multiplexer.Reload()
+    provider = data_provider.MultiplexerDataProvider(multiplexer, str(grid_sweep))
+    hparams = backend_context.Context(base_plugin.TBContext(logdir=str(grid_sweep), multiplexer=multiplexer,
+                                                            data_provider=provider))
+    request = api_pb2.ListSessionGroupsRequest(start_index=0, slice_size=100, allowed_statuses=[
+        api_pb2.STATUS_UNKNOWN, api_pb2.STATUS_SUCCESS, api_pb2.STATUS_FAILURE, api_pb2.STATUS_RUNNING])
+    groups = list_session_groups.Handler(context.RequestContext(), hparams, "", request).run()
+    assert groups.total_size == 4
+    for group in groups.session_groups:
+        job = grid_sweep / group.name.split("/")[0]  # the run name is the readable job dir
+        metrics = {m.name.tag: m.value for m in group.metric_values}
+        assert metrics["eval/loss"] == pytest.approx(results_of(job)["eval_loss"], rel=1e-5)
+        assert group.hparams["hidden_dim"].number_value == int(job.name.split("hidden_dim=")[1].split(",")[0])
+
+
+@pytest.mark.slow
 def test_summarize_writes_tables_and_plots(grid_sweep, tmp_path):
     pytest.importorskip("matplotlib")
     proc = summarize(grid_sweep, "--out", str(tmp_path))
@@ -161,3 +186,30 @@ def test_progress_bar_is_off_without_a_terminal():
     bar = ProgressBar(10, enabled=False)
     bar.update(5, 1.0, None)  # no-op
     bar.close()
+
+
+def test_summarize_marks_failed_and_missing_jobs_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """A hand-made sweep dir: completed, failed and vanished jobs; the table needs no matplotlib."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import summarize as summarize_script
+
+    jobs = {
+        "0_hidden_dim=8": {"status": "completed", "eval_loss": 0.2, "eval_metric": 0.2, "eval_metric_name": "mse",
+                           "baseline_loss": 1 / 6, "tokens_per_sec": 1000.0, "mfu": None, "wall_seconds": 3.0},
+        "1_hidden_dim=16": {"status": "failed", "error": "key 'x': bad", "exit_code": 2, "wall_seconds": 0.1},
+        "2_hidden_dim=32": None,  # killed before it wrote results.json
+    }
+    for name, results in jobs.items():
+        (tmp_path / name / ".hydra").mkdir(parents=True)
+        (tmp_path / name / ".hydra" / "overrides.yaml").write_text(f"- {name.split('_', 1)[1]}\n- steps=4\n")
+        if results:
+            (tmp_path / name / "results.json").write_text(json.dumps(results))
+    (tmp_path / "multirun.yaml").write_text("{}\n")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert summarize_script.main([str(tmp_path)]) == 0
+    out, err = capsys.readouterr()
+    assert "3 job(s)" in out and "2 not completed" in out and "common overrides: steps=4" in out
+    assert "| 0 | 8 | completed | 0.2 (best) | 0.2 | 0.1667 | 1,000 | n/a | 3.0 |" in out
+    assert "| 1 | 16 | **FAILED**: key 'x': bad |" in out and "| 2 | 32 | **MISSING** |" in out
+    assert "matplotlib is not installed" in err
+    assert (tmp_path / "summary.csv").read_text().count("\n") == 4
