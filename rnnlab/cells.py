@@ -102,8 +102,9 @@ class Cell(nn.Module):
         return nn.initializers.zeros_init()
 
     @classmethod
-    def initial_carry(cls, batch: int, hidden_dim: int, dtype: Any) -> Carry:
-        return jnp.zeros((batch, hidden_dim), dtype)
+    def initial_carry(cls, like: jax.Array, hidden_dim: int) -> Carry:
+        """Zeros of [B, H] with the dtype (and, under shard_map, the device variance) of `like`: [B, ...]."""
+        return jnp.zeros_like(like, shape=(like.shape[0], hidden_dim))
 
     def recurrent(self, h: jax.Array) -> jax.Array:
         """h: [B, H] -> h W_hh: [B, G*H], W_hh a float32 parameter cast to the compute dtype."""
@@ -139,8 +140,8 @@ class LSTMCell(Cell):
         return init
 
     @classmethod
-    def initial_carry(cls, batch: int, hidden_dim: int, dtype: Any) -> Carry:
-        zeros = jnp.zeros((batch, hidden_dim), dtype)
+    def initial_carry(cls, like: jax.Array, hidden_dim: int) -> Carry:
+        zeros = jnp.zeros_like(like, shape=(like.shape[0], hidden_dim))
         return zeros, zeros
 
     @nn.compact

@@ -77,7 +77,7 @@ class RecurrentLayer(nn.Module):
         cell = cell_cls(self.hidden_dim, self.init_scheme, self.activation, self.dtype, name="cell")
         x = jnp.swapaxes(x, 0, 1)  # [T, B, I]
         xs = x @ w_xh + b if hoist else x  # [T, B, G*H] or [T, B, I]
-        _, hs = time_scan(cell, cell_cls.initial_carry(x.shape[1], self.hidden_dim, self.dtype), xs)
+        _, hs = time_scan(cell, cell_cls.initial_carry(x[0], self.hidden_dim), xs)
         hs = jnp.swapaxes(hs, 0, 1)  # [B, T, H]
         if self.dropout > 0:
             hs = nn.Dropout(self.dropout, deterministic=self.deterministic)(hs)
