@@ -70,14 +70,6 @@ def select_devices(config: DeviceConfig) -> list[jax.Device]:
     of every process (pmap's device list is global); `num_devices` must then be null or
     this process's local device count.
     """
-    if jax.process_count() > 1:
-        local = jax.local_devices()
-        if config.num_devices not in (None, len(local)):
-            raise ConfigError(
-                f"key 'device.num_devices': got {config.num_devices}, but with several processes every "
-                f"process uses all its {len(local)} local devices (set null or {len(local)})"
-            )
-        return jax.devices()
     try:
         if config.platform == "auto":
             available = jax.local_devices()
@@ -89,6 +81,13 @@ def select_devices(config: DeviceConfig) -> list[jax.Device]:
             f"key 'device.platform': {config.platform!r} is not available here ({reason}); "
             f"allowed here: auto, cpu"
         ) from None
+    if jax.process_count() > 1:
+        if config.num_devices not in (None, len(available)):
+            raise ConfigError(
+                f"key 'device.num_devices': got {config.num_devices}, but with several processes every "
+                f"process uses all its {len(available)} local devices (set null or {len(available)})"
+            )
+        return jax.devices(available[0].platform)
     wanted = config.num_devices or len(available)
     if wanted > len(available):
         platform = available[0].platform

@@ -284,10 +284,10 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     _check_writable(workdir)
     parallel.configure_backend(config.device)
     parallel.initialize_distributed(config.distributed, config.device.platform)
+    devices = parallel.select_devices(config.device)
     primary = parallel.is_primary()
     if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
         log.setLevel(logging.WARNING)
-    devices = parallel.select_devices(config.device)
     per_device = parallel.check_batch_divides(config.batch_size, len(devices))
     task = data.make_task(config.data)
     flat_config = cfg.flatten(config)
@@ -358,7 +358,11 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     state = dp.replicate(state)
     status, step = "failed", None  # what results.json says if the loop raises something unexpected
     try:
-        status = _train_loop(run, state, start_step)
+        status, state = _train_loop(run, state, start_step)
+        if jax.process_count() > 1:  # every process must end holding the same parameters
+            from jax.experimental import multihost_utils
+
+            multihost_utils.assert_equal(dp.to_host(state.params), "processes ended with different parameters")
     except NonFiniteLossError as e:
         status, step = "diverged", e.step
         raise
@@ -383,8 +387,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     return results
 
 
-def _train_loop(run: _Run, state: Any, start_step: int) -> str:
-    """Steps `start_step+1 .. config.steps`; returns "completed" or "preempted"."""
+def _train_loop(run: _Run, state: Any, start_step: int) -> tuple[str, Any]:
+    """Steps `start_step+1 .. config.steps`; returns ("completed" or "preempted", final state)."""
     config, checkpointer = run.config, run.checkpointer
     pending: list = []  # this log window's step metrics, still on device
     window = (0.0, 0)  # (clock reading, timed steps) when the window opened
@@ -426,10 +430,10 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> str:
                     run.writer.flush()  # events up to a checkpoint are on disk before the checkpoint is
                     checkpointer.save(step, run.dp.to_host(state), force=True)
             if stopping:
-                return "preempted"
+                return "preempted", state
     if start_step >= config.steps:  # nothing left to train: evaluate the restored state
         run.evaluate(start_step, state)
-    return "completed"
+    return "completed", state
 
 
 def _stop_requested(guard: PreemptionGuard, step: int) -> bool:
