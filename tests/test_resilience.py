@@ -6,7 +6,6 @@ would start and stop it. Interrupted runs must end bit-identical to an uninterru
 
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys
