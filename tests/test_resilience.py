@@ -86,7 +86,7 @@ def test_sigterm_at_a_random_step_then_rerun_is_bit_identical(tmp_path, referenc
 def test_sigkill_at_random_moments_even_mid_save_then_rerun_is_bit_identical(tmp_path, reference):
     run_dir = tmp_path / "run"
     rng = random.Random()
-    for attempt in range(2):  # two hard kills; with a save every step, some land mid-save
+    for attempt in range(2):  # two hard kills while a save starts every step (not checked to land mid-save)
         proc = start(run_dir, "checkpoint.every=1")
         # Once step 20 is logged, earlier saves have completed (Orbax finishes one save before
         # starting the next), so a kill soon after always leaves something to resume from.

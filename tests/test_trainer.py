@@ -66,8 +66,8 @@ def test_tensorboard_events_carry_the_documented_tags(tiny_run):
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
     assert [e.step for e in events.Scalars("eval/loss")] == [3, 6]
     assert events.Scalars("eval/loss")[-1].value == pytest.approx(results["eval_loss"], rel=1e-6)
-    # The HParams plugin's session data is in the same run.
-    assert "hparams" in events.PluginTagToContent("hparams") or events.PluginTagToContent("hparams")
+    # The HParams plugin's experiment and session data are in the same run (KeyError if absent).
+    assert len(events.PluginTagToContent("hparams")) >= 2
 
 
 def test_model_summary_and_checkpoints_are_written(tiny_run):
