@@ -170,6 +170,24 @@ class GRUCell(Cell):
         return h, h
 
 
+class RecurrentWeights(nn.Module):
+    """A cell's recurrent parameters, created as the cell creates them (same names, order and
+    initializers), for `rnnlab.recurrence`, which computes the cell's step itself.
+    Returns (W_hh: f32[H, G*H], b_hn: f32[H] for the GRU, else None)."""
+
+    hidden_dim: int
+    cell: str = "rnn"
+    init_scheme: str = "uniform"
+
+    @nn.compact
+    def __call__(self) -> tuple[jax.Array, Any]:
+        gates = CELLS[self.cell].num_gates
+        b_hn = self.param("b_hn", nn.initializers.zeros_init(), (self.hidden_dim,)) if self.cell == "gru" else None
+        _, recurrent_init = initializers(self.init_scheme)
+        w_hh = self.param("W_hh", per_gate(recurrent_init, gates), (self.hidden_dim, gates * self.hidden_dim))
+        return w_hh, b_hn
+
+
 CELLS: dict[str, type[Cell]] = {"rnn": ElmanCell, "lstm": LSTMCell, "gru": GRUCell}
 
 

@@ -17,6 +17,7 @@ INITS = ("uniform", "orthogonal", "identity", "default")
 ACTIVATIONS = ("tanh", "relu")
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
+RECURRENCES = ("autodiff", "custom_vjp")
 TASKS = ("adding", "copy")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
@@ -45,6 +46,7 @@ class ModelConfig:
     stack_init: str
     forget_bias: float
     hoist_input: bool
+    recurrence: str
     remat: bool
     dtype: str
     unroll: int
@@ -254,6 +256,10 @@ def validate(c: Config) -> None:
     _choice("model.activation", m.activation, ACTIVATIONS)
     _choice("model.stack_init", m.stack_init, STACK_INITS)
     _choice("model.dtype", m.dtype, DTYPES)
+    _choice("model.recurrence", m.recurrence, RECURRENCES)
+    if m.recurrence == "custom_vjp" and m.remat:
+        raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
+                          "(the custom_vjp backward keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
     _positive("model.unroll", m.unroll)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")

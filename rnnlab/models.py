@@ -24,14 +24,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells import ACTIVATIONS, CELLS, initializers, per_gate  # noqa: F401  (re-exported)
+from rnnlab.cells import ACTIVATIONS, CELLS, RecurrentWeights, initializers, per_gate  # noqa: F401  (re-exported)
 from rnnlab.config import ModelConfig
+from rnnlab.recurrence import recurrence
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 class RecurrentLayer(nn.Module):
     """One layer over a whole sequence: a cell (`rnnlab.cells`) scanned over time with `nn.scan`.
+
+    Time-major, like the whole stack: the model transposes its small input and output
+    once instead of each layer transposing the [B, T, H] sequence in and out.
 
     The input term `x W_xh + b` (f32[T, B, G*H]) is one matmul over all time steps
     before the scan (`hoist_input`), or `x_t W_xh + b` inside it (the same function;
@@ -45,7 +49,8 @@ class RecurrentLayer(nn.Module):
     activation: str = "tanh"
     cell: str = "rnn"  # a key of rnnlab.cells.CELLS
     forget_bias: float = 1.0  # lstm: initial bias of the forget gate
-    hoist_input: bool = True  # input matmul for all time steps before the scan
+    hoist_input: bool = True  # input matmul for all time steps before the scan (autodiff only)
+    recurrence: str = "autodiff"  # autodiff: jax.grad of the scanned cell | custom_vjp: rnnlab.recurrence
     remat: bool = False  # recompute each step in the backward pass instead of storing it
     unroll: int = 1  # time steps per iteration of the scan's loop
     dtype: Any = jnp.float32  # compute dtype
@@ -54,13 +59,18 @@ class RecurrentLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
-        """x: [B, T, I] -> ([B, T, H] in the compute dtype, None)."""
+        """x: [T, B, I] -> ([T, B, H] in the compute dtype, None)."""
         cell_cls = CELLS[self.cell]
         gates = cell_cls.num_gates
         input_init, _ = initializers(self.init_scheme)
         w_xh = self.param("W_xh", per_gate(input_init, gates), (x.shape[-1], gates * self.hidden_dim))
         b = self.param("b", cell_cls.bias_init(self.forget_bias), (gates * self.hidden_dim,))
         x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
+        if self.recurrence == "custom_vjp":
+            w_hh, b_hn = RecurrentWeights(self.hidden_dim, self.cell, self.init_scheme, name="cell")()
+            b_hn = None if b_hn is None else b_hn.astype(self.dtype)
+            hs = recurrence(self.cell, self.activation, self.unroll, x @ w_xh + b, w_hh.astype(self.dtype), b_hn)
+            return self._dropout(hs), None
         hoist = self.hoist_input
 
         def step(cell: nn.Module, carry: Any, x_t: jax.Array) -> tuple[Any, jax.Array]:
@@ -69,19 +79,20 @@ class RecurrentLayer(nn.Module):
 
         if self.remat:
             step = nn.remat(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
-        # Time-major inside the scan: slicing step t off a leading axis is a contiguous
-        # read (and its gradient a contiguous write), unlike a slice of axis 1.
+        # Time-major: slicing step t off a leading axis is a contiguous read (and its
+        # gradient a contiguous write), unlike a slice of axis 1.
         time_scan = nn.scan(
             step, variable_broadcast="params", split_rngs={"params": False}, unroll=self.unroll,
         )
         cell = cell_cls(self.hidden_dim, self.init_scheme, self.activation, self.dtype, name="cell")
-        x = jnp.swapaxes(x, 0, 1)  # [T, B, I]
         xs = x @ w_xh + b if hoist else x  # [T, B, G*H] or [T, B, I]
         _, hs = time_scan(cell, cell_cls.initial_carry(x[0], self.hidden_dim), xs)
-        hs = jnp.swapaxes(hs, 0, 1)  # [B, T, H]
+        return self._dropout(hs), None
+
+    def _dropout(self, hs: jax.Array) -> jax.Array:
         if self.dropout > 0:
             hs = nn.Dropout(self.dropout, deterministic=self.deterministic)(hs)
-        return hs, None
+        return hs
 
 
 class LayerStack(nn.Module):
@@ -105,7 +116,7 @@ class LayerStack(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [B, T, H] -> [B, T, H]."""
+        """x: [T, B, H] -> [T, B, H] (time-major)."""
         kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
                       **dict(self.layer_options))
         if not self.scan_layers:
@@ -139,14 +150,16 @@ class RecurrentModel(nn.Module):
         c = self.config
         dtype = DTYPES[c.dtype]
         layer_options = (
-            ("cell", c.cell), ("forget_bias", c.forget_bias), ("hoist_input", c.hoist_input),
+            ("cell", c.cell), ("forget_bias", c.forget_bias), ("hoist_input", c.hoist_input), ("recurrence", c.recurrence),
             ("remat", c.remat), ("unroll", c.unroll), ("dtype", dtype), ("dropout", c.dropout),
             ("deterministic", not train),
         )
+        x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I]: the stack runs time-major throughout
         x = nn.Dense(c.hidden_dim, dtype=dtype, name="input_proj")(x)
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
                        layer_options, name="stack")(x)
-        return nn.Dense(self.output_dim, dtype=dtype, name="readout")(x).astype(jnp.float32)
+        y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
+        return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:

@@ -8,6 +8,7 @@ a job may still use fewer devices than exist, and is refused if it wants more.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import jax
@@ -25,15 +26,40 @@ def backend_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def configure_backend(config: DeviceConfig) -> None:
+def host_cores() -> int:
+    """The cores this process may run on (the affinity mask, not the host's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_device_count(batch_size: int, cores: int) -> int:
+    """What `device.num_devices=null` means on CPU: one simulated device per core, or the
+    largest count below that which the batch divides into.
+
+    XLA runs the small matmuls inside a time scan on about one core, so a single CPU
+    device leaves the others idle; pmap over one simulated device per core measured
+    1.16-1.28x faster steps on a 2-core CPU (`python scripts/benchmark.py --devices 1 2`,
+    README). A rule rather than a measurement at start-up, so that a rerun or a resumed
+    run picks the same count, and with it the same numerics.
+    """
+    return max(n for n in range(1, max(cores, 1) + 1) if batch_size % n == 0)
+
+
+def configure_backend(config: DeviceConfig, batch_size: int, distributed: bool = False) -> None:
     """Choose the platform and the simulated CPU device count, if JAX has not started yet."""
     if backend_started():
         return
     if config.platform != "auto":
         jax.config.update("jax_platforms", _JAX_PLATFORM[config.platform])
-    if config.num_devices is not None and config.platform in ("auto", "cpu"):
+    if config.platform in ("auto", "cpu"):
         # Only affects the CPU backend: N simulated devices sharing the host's cores.
-        jax.config.update("jax_num_cpu_devices", max(config.num_devices, jax.config.jax_num_cpu_devices))
+        wanted = config.num_devices
+        if wanted is None and not distributed:
+            wanted = cpu_device_count(batch_size, host_cores())
+        if wanted is not None:
+            jax.config.update("jax_num_cpu_devices", max(wanted, jax.config.jax_num_cpu_devices))
 
 
 def initialize_distributed(config: DistributedConfig, platform: str) -> None:
@@ -63,11 +89,12 @@ def local_count(devices: Sequence[jax.Device]) -> int:
     return sum(d.process_index == jax.process_index() for d in devices)
 
 
-def select_devices(config: DeviceConfig) -> list[jax.Device]:
+def select_devices(config: DeviceConfig, batch_size: int) -> list[jax.Device]:
     """The devices to pmap over, or a ConfigError that says what exists.
 
-    One process: its first `num_devices` local devices. Several processes: every device
-    of every process (pmap's device list is global); `num_devices` must then be null or
+    One process: its first `num_devices` local devices; null means every local device
+    on an accelerator and `cpu_device_count` on CPU. Several processes: every device of
+    every process (pmap's device list is global); `num_devices` must then be null or
     this process's local device count.
     """
     try:
@@ -88,7 +115,10 @@ def select_devices(config: DeviceConfig) -> list[jax.Device]:
                 f"process uses all its {len(available)} local devices (set null or {len(available)})"
             )
         return jax.devices(available[0].platform)
-    wanted = config.num_devices or len(available)
+    wanted = config.num_devices
+    if wanted is None:
+        on_cpu = available[0].platform == "cpu"
+        wanted = cpu_device_count(batch_size, min(host_cores(), len(available))) if on_cpu else len(available)
     if wanted > len(available):
         platform = available[0].platform
         hint = (

@@ -146,6 +146,13 @@ def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: l
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
+def _device_choice(config: cfg.Config, devices: list) -> str:
+    """Why this many devices, when the config left it open on CPU."""
+    if config.device.num_devices is not None or devices[0].platform != "cpu" or jax.process_count() > 1:
+        return ""
+    return f" (device.num_devices=null: one per core the batch divides into, of {parallel.host_cores()} cores)"
+
+
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
 
@@ -282,9 +289,9 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     wall_start = time.perf_counter()
     workdir = Path(workdir)
     _check_writable(workdir)
-    parallel.configure_backend(config.device)
+    parallel.configure_backend(config.device, config.batch_size, config.distributed.enabled)
     parallel.initialize_distributed(config.distributed, config.device.platform)
-    devices = parallel.select_devices(config.device)
+    devices = parallel.select_devices(config.device, config.batch_size)
     primary = parallel.is_primary()
     if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
         log.setLevel(logging.WARNING)
@@ -350,9 +357,9 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     run.eval_batches = [p_eval_batch(dp.host_scalar(i)) for i in range(config.eval_batches)]
     run.writer.write_hparams(flat_config)
     log.info(
-        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s) x batch %d | %d tokens/step | %.3g FLOPs/step",
+        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s)%s x batch %d | %d tokens/step | %.3g FLOPs/step",
         task.name, task.seq_len, task.baseline_loss, num_params, len(devices), devices[0].platform,
-        per_device, tokens_per_step, run.flops_per_step,
+        _device_choice(config, devices), per_device, tokens_per_step, run.flops_per_step,
     )
 
     state = dp.replicate(state)

@@ -29,7 +29,7 @@ from rnnlab.models import RecurrentModel  # noqa: E402
 
 BASE = ModelConfig(
     cell="rnn", hidden_dim=64, num_layers=1, init="orthogonal", activation="tanh", scan_layers=True,
-    stack_init="scan", forget_bias=1.0, hoist_input=True, remat=False, dtype="float32", unroll=1, dropout=0.0,
+    stack_init="scan", forget_bias=1.0, hoist_input=True, recurrence="autodiff", remat=False, dtype="float32", unroll=1, dropout=0.0,
 )
 
 

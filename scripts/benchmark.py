@@ -3,10 +3,14 @@
     python scripts/benchmark.py                                   # every cell x the 4-row grid (long on a CPU)
     python scripts/benchmark.py --cells rnn --rows 0 3 --repeats 3   # a quick subset
     python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
+    python scripts/benchmark.py --rows 0 --variant model.recurrence=autodiff   # custom_vjp vs autodiff
 
 The step is what `python train.py` runs: rnnlab's own `create_train_state` and
-`train_step` under `jax.pmap` on one device (state donated) with the adding task's
-batch generated beforehand, Adam, no clipping (clip_norm=0 on all sides). The same
+`train_step` under `jax.pmap` (state donated) on the devices train.py picks by default
+(on CPU one simulated device per core that the batch divides into: column `dev`), with
+the adding task's batch generated beforehand, Adam, no clipping (clip_norm=0 on all
+sides). `--devices 1` (the default) also times it on one device, `--variant OVERRIDES`
+with other rnnlab settings (e.g. `model.recurrence=autodiff`), side by side. The same
 model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
 the last step) and the same forward + backward + Adam update are built in
 `torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
@@ -67,18 +71,19 @@ def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = (
 
 
 class RnnlabStep:
-    """rnnlab's pmapped train step on one device, as the training loop builds it."""
+    """rnnlab's pmapped train step on `num_devices` devices, as the training loop builds it."""
 
-    def __init__(self, config: cfg.Config):
+    def __init__(self, config: cfg.Config, num_devices: int = 1):
         self.task = data.make_task(config.data)
-        self.devices = jax.devices()[:1]
+        self.devices = jax.devices()[:num_devices]
         model = RecurrentModel(config.model, self.task.output_dim)
         tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
         example = jnp.zeros((config.batch_size, self.task.total_len, self.task.input_dim))
         state = trainer.create_train_state(jax.random.key(0), model, example, tx)
         self.state = parallel.replicate(state, self.devices)
-        sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), config.batch_size, self.devices)
-        self.batch = sampler(np.zeros(1, np.int32))
+        per_device = config.batch_size // num_devices
+        sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), per_device, self.devices)
+        self.batch = sampler(np.zeros(num_devices, np.int32))
         self.p_step = jax.pmap(
             lambda s, b: trainer.train_step(s, b, self.task, schedule),
             axis_name=parallel.AXIS, devices=self.devices, donate_argnums=(0,),
@@ -88,8 +93,10 @@ class RnnlabStep:
         self.compile_seconds = time.perf_counter() - t0
 
     def __call__(self, n: int) -> None:
-        for _ in range(n):
+        for i in range(n):
             self.state, metrics = self.p_step(self.state, self.batch)
+            if (i + 1) % trainer.MAX_STEPS_IN_FLIGHT == 0:  # as the training loop does: pmap over
+                jax.block_until_ready(metrics)  # simulated CPU devices aborts with too many in flight
         jax.block_until_ready((self.state, metrics))
 
 
@@ -162,6 +169,14 @@ class TorchStep:
             self.opt.step()
 
 
+def default_device_count(batch: int) -> int:
+    """What train.py uses with device.num_devices=null: on CPU, one simulated device per core that
+    the batch divides into (rnnlab.parallel.cpu_device_count); one device elsewhere."""
+    if jax.devices()[0].platform != "cpu":
+        return 1
+    return parallel.cpu_device_count(batch, min(parallel.host_cores(), len(jax.devices())))
+
+
 def timed(fn, n: int) -> float:
     t0 = time.perf_counter()
     fn(n)
@@ -171,8 +186,14 @@ def timed(fn, n: int) -> float:
 def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | None, torch_ok: bool) -> dict:
     h, b, t, layers = row
     load_start = load()
-    ours = RnnlabStep(config)
+    main_devices = default_device_count(b)
+    ours = RnnlabStep(config, main_devices)
     runners = {"rnnlab": ours}
+    for n in args.devices:  # the same step pmapped over other device counts, timed side by side
+        if b % n == 0 and n != main_devices:
+            runners[f"rnnlab@{n}"] = RnnlabStep(config, n)
+    for variant in args.variant:  # the same step with other overrides, timed side by side
+        runners[variant] = RnnlabStep(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices)
     if torch_ok and not args.no_torch:
         runners["torch"] = TorchStep(cell, h, b, t, layers, ours.batch)
     if not args.no_flax:
@@ -198,6 +219,10 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         "flax_step_ms": 1e3 * median["flax"] if "flax" in median else None,
         "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
         "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
+        "devices": main_devices,
+        "step_ms_by_devices": {n: 1e3 * median[f"rnnlab@{n}"] if f"rnnlab@{n}" in median else
+                               (1e3 * median["rnnlab"] if n == main_devices else None) for n in args.devices},
+        "step_ms_by_variant": {v: 1e3 * median[v] for v in args.variant},
         "repeats": args.repeats, "steps_per_repeat": steps, "all_times_ms": {k: [1e3 * x for x in v] for k, v in times.items()},
         "load_start": load_start, "load_end": load(),
     }
@@ -230,6 +255,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--min-seconds", type=float, default=1.0, help="each repeat runs enough steps to last about this")
     parser.add_argument("--override", nargs="*", default=[], help="extra rnnlab config overrides, e.g. model.unroll=4")
     parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: cores)")
+    parser.add_argument("--devices", nargs="*", type=int, default=[1],
+                        help="other rnnlab device counts timed beside the main column (which uses what train.py "
+                             "picks: on CPU one simulated device per core that the batch divides into)")
+    parser.add_argument("--variant", nargs="*", default=[],
+                        help="rnnlab variants timed beside the main column, each a space-separated override list, "
+                             "e.g. --variant model.recurrence=autodiff")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only measure compile seconds for these num_layers")
@@ -242,10 +273,16 @@ def main(argv: list[str] | None = None) -> dict:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
         return out
 
+    # Before anything starts the backend: enough simulated CPU devices for train.py's choice and --devices.
+    jax.config.update("jax_num_cpu_devices", max([parallel.host_cores(), *args.devices]))
     try:
         import torch
 
         torch.set_num_threads(args.torch_threads)
+        # XLA's CPU code flushes denormals to zero; torch does not by default, and gradients that
+        # decay through long sequences into the denormal range made its matmuls 20x slower
+        # (H=256, T=256). Compare against torch at its best: flush them there too.
+        torch.set_flush_denormal(True)
         torch_ok, torch_note = True, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     except ImportError:
         torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'
@@ -253,8 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
     peak = flops.peak_flops(device, "float32")
     print(f"device {flops.device_key(device)} | jax {jax.__version__} | {torch_note} | "
           f"float32 peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
-    header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
-              f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}")
+    header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'dev':>3} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
+              f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}"
+              + "".join(f" {f'{n} dev ms':>9} {'main is':>8}" for n in args.devices)
+              + "".join(f" | {v}: ms, main's speed-up" for v in args.variant))
     print(header)
     # Every config composed (and validated) before anything is timed.
     configs = {(cell, i): compose(cell, *GRID[i], args.override) for cell in args.cells for i in args.rows}
@@ -264,10 +303,12 @@ def main(argv: list[str] | None = None) -> dict:
         r = bench_row(cell, GRID[i], config, args, peak, torch_ok)
         out["results"].append(r)
         args.json.write_text(json.dumps(out, indent=2) + "\n")  # after every row: a partial run keeps its rows
-        print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['step_ms']:9.2f} "
+        print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['devices']:>3} {r['step_ms']:9.2f} "
               f"{r['tokens_per_sec']:10,.0f} {r['gflops_per_sec']:8.1f} {fmt(r['mfu'], '6.1%')} "
               f"{r['compile_seconds']:9.2f} {fmt(r['torch_step_ms'], '9.2f')} {fmt(r['vs_torch'], '7.2f')}x "
-              f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}", flush=True)
+              f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}"
+              + "".join(f" {fmt(ms, '9.2f')} {fmt(ms and ms / r['step_ms'], '7.2f')}x" for ms in r["step_ms_by_devices"].values())
+              + "".join(f" | {ms:9.2f} {ms / r['step_ms']:5.2f}x" for ms in r["step_ms_by_variant"].values()), flush=True)
     print(f"wrote {args.json}")
     return out
 

@@ -64,11 +64,13 @@ def f64(a):
 
 
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_cell_matches_numpy_equations(cell):
+@pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
+def test_cell_matches_numpy_equations(cell, recurrence):
     x = np.random.default_rng(0).normal(size=(B, T, I)).astype(np.float32)
-    layer = RecurrentLayer(hidden_dim=H, cell=cell)
-    params = random_like(init(layer, x), seed=1)
-    got, _ = jax.jit(layer.apply)({"params": params}, x)
+    layer = RecurrentLayer(hidden_dim=H, cell=cell, recurrence=recurrence)
+    x_tm = x.swapaxes(0, 1)  # the layer is time-major
+    params = random_like(init(layer, x_tm), seed=1)
+    got = jax.jit(layer.apply)({"params": params}, x_tm)[0].swapaxes(0, 1)
     args = [f64(params["W_xh"]), f64(params["b"]), f64(params["cell"]["W_hh"])]
     want = numpy_lstm(f64(x), *args) if cell == "lstm" else numpy_gru(f64(x), *args, f64(params["cell"]["b_hn"]))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -87,7 +89,7 @@ def test_two_layer_stack_matches_torch(cell):
     layers = [from_torch(cell, *(sd[f"{w}_l{k}"] for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))) for k in (0, 1)]
     params = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
     stack = LayerStack(hidden_dim=H, num_layers=2, layer_options=(("cell", cell),))
-    got = jax.jit(stack.apply)({"params": {"layers": params}}, x)
+    got = jax.jit(stack.apply)({"params": {"layers": params}}, x.swapaxes(0, 1)).swapaxes(0, 1)  # time-major stack
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -141,8 +143,38 @@ def loss_and_grads(config, seq_len=9, seed=0):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
+@pytest.mark.parametrize("cell,activation", [("rnn", "tanh"), ("rnn", "relu"), ("lstm", "tanh"), ("gru", "tanh")])
+def test_custom_vjp_gives_the_same_loss_and_gradients_as_autodiff(cell, activation):
+    """rnnlab/recurrence.py's hand-written backward against jax.grad through the scanned cell."""
+    base = model_config(f"model={cell}", f"model.activation={activation}", "hidden_dim=8", "num_layers=2",
+                        recurrence="autodiff")
+    want_loss, want_grads = loss_and_grads(base)
+    got_loss, got_grads = loss_and_grads(dataclasses.replace(base, recurrence="custom_vjp", unroll=2))
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
+    for path, a in jax.tree_util.tree_leaves_with_path(got_grads):
+        b = _leaf(want_grads, path)
+        assert np.abs(np.asarray(b)).max() > 0, path  # every parameter is reached
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=1e-6, err_msg=str(path))
+
+
+def test_custom_vjp_keeps_the_parameter_layout_and_initial_values():
+    base = model_config("model=gru", "hidden_dim=8", "num_layers=2", recurrence="autodiff")
+    x = jnp.zeros((1, 3, 2))
+    want = init(RecurrentModel(base, 1), x)
+    got = init(RecurrentModel(dataclasses.replace(base, recurrence="custom_vjp"), 1), x)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _leaf(tree, path):
+    for key in path:
+        tree = tree[key.key]
+    return tree
+
+
 def test_remat_gives_the_same_loss_and_gradients():
-    base = model_config("model=lstm", "hidden_dim=8", "num_layers=2")
+    base = model_config("model=lstm", "hidden_dim=8", "num_layers=2", recurrence="autodiff")
     want_loss, want_grads = loss_and_grads(base)
     got_loss, got_grads = loss_and_grads(dataclasses.replace(base, remat=True, unroll=2))
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
@@ -155,7 +187,7 @@ def test_remat_lowers_peak_memory_on_a_long_sequence():
     x = jnp.zeros((4, 400, 2))
 
     def temp_bytes(remat):
-        model = RecurrentModel(model_config("model=lstm", "hidden_dim=32", "num_layers=1", remat=remat), 1)
+        model = RecurrentModel(model_config("model=lstm", "hidden_dim=32", "num_layers=1", remat=remat, recurrence="autodiff"), 1)
         params = init(model, x[:, :2])
         grad = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x))))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes

@@ -6,6 +6,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, run_train
+from rnnlab import parallel
 
 pytestmark = pytest.mark.slow
 TINY_CLI = [o for o in TINY if not o.startswith("device")]
@@ -18,8 +19,18 @@ def test_readme_command_with_top_level_hidden_dim(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["status"] == "completed" and results["step"] == 6
     summary = (tmp_path / "model_summary.txt").read_text()
-    assert "float32[8,6,100]" in summary  # hidden_dim=100 reached the model
+    assert "kernel: float32[2,100]" in summary and ",100,100]" in summary  # hidden_dim=100 reached the model
     assert "baseline 0.1667" in proc.stdout + proc.stderr
+    # device.num_devices=null on CPU: one simulated device per core that the batch divides into, said so.
+    assert results["num_devices"] == parallel.cpu_device_count(8, parallel.host_cores())
+    assert "device.num_devices=null: one per core" in proc.stdout + proc.stderr
+
+
+def test_cpu_device_count_is_one_per_core_when_the_batch_divides():
+    assert parallel.cpu_device_count(32, 2) == 2
+    assert parallel.cpu_device_count(30, 4) == 3
+    assert parallel.cpu_device_count(7, 4) == 1
+    assert parallel.cpu_device_count(1, 16) == 1
 
 
 def test_four_simulated_devices(tmp_path):

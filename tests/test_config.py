@@ -48,11 +48,13 @@ def test_adamw_inherits_adam_keys_and_decays():
         ("device.platform=ipu", "device.platform", "auto, cpu, gpu, tpu"),
         ("checkpoint.keep=0", "checkpoint.keep", "> 0"),
         ("+model.depth=3", "model.depth", "allowed in model"),
+        ("model.recurrence=manual", "model.recurrence", "autodiff, custom_vjp"),
+        ("model.recurrence=custom_vjp model.remat=true", "model.remat", "model.recurrence=autodiff"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key, hint):
     with pytest.raises(cfg.ConfigError) as info:
-        compose_config([override])
+        compose_config(override.split())
     message = str(info.value)
     assert f"'{key}'" in message and hint in message and "\n" not in message
 

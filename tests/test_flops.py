@@ -57,10 +57,12 @@ SMALL = ["batch_size=4", "hidden_dim=8", "num_layers=2", "data.seq_len=5"]
 OPTIONS = [
     [],
     ["model.scan_layers=false", "num_layers=3"],
-    ["model.hoist_input=false"],
-    ["model.remat=true"],
-    ["model.remat=true", "model.hoist_input=false"],
+    ["model.recurrence=autodiff", "model.hoist_input=false"],
+    ["model.recurrence=autodiff", "model.hoist_input=true"],
+    ["model.recurrence=autodiff", "model.remat=true"],
+    ["model.recurrence=autodiff", "model.remat=true", "model.hoist_input=false"],
     ["model.dtype=bfloat16", "model.unroll=2"],
+    ["model.recurrence=custom_vjp", "model.unroll=2", "model.scan_layers=false"],
     ["data=copy", "data.seq_len=12"],
 ]
 

@@ -20,15 +20,17 @@ def numpy_elman(x, w_xh, w_hh, b, act=np.tanh):
     return np.stack(outputs, axis=1)
 
 
+@pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
-def test_elman_layer_matches_numpy_loop(activation):
+def test_elman_layer_matches_numpy_loop(activation, recurrence):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 7, 5)).astype(np.float32)
-    layer = RecurrentLayer(hidden_dim=4, activation=activation)
-    params = layer.init(jax.random.key(0), x)["params"]
+    layer = RecurrentLayer(hidden_dim=4, activation=activation, recurrence=recurrence)
+    x_tm = x.swapaxes(0, 1)  # the layer is time-major
+    params = layer.init(jax.random.key(0), x_tm)["params"]
     # Random weights, not the init, so that every entry matters.
     params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape, scale=0.5), p.dtype), params)
-    got, _ = layer.apply({"params": params}, x)
+    got = layer.apply({"params": params}, x_tm)[0].swapaxes(0, 1)
     act = np.tanh if activation == "tanh" else (lambda v: np.maximum(v, 0))
     want = numpy_elman(x.astype(np.float64), *(np.asarray(params[k], np.float64) for k in ("W_xh",)),
                        np.asarray(params["cell"]["W_hh"], np.float64), np.asarray(params["b"], np.float64), act)
