@@ -8,8 +8,10 @@ a job may still use fewer devices than exist, and is refused if it wants more.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -35,16 +37,46 @@ def host_cores() -> int:
 
 
 def cpu_device_count(batch_size: int, cores: int) -> int:
-    """What `device.num_devices=null` means on CPU: one simulated device per core, or the
-    largest count below that which the batch divides into.
-
-    XLA runs the small matmuls inside a time scan on about one core, so a single CPU
-    device leaves the others idle; pmap over one simulated device per core measured
-    1.16-1.28x faster steps on a 2-core CPU (`python scripts/benchmark.py --devices 1 2`,
-    README). A rule rather than a measurement at start-up, so that a rerun or a resumed
-    run picks the same count, and with it the same numerics.
-    """
+    """The most simulated CPU devices worth trying: one per core, or the largest count
+    below that which the batch divides into."""
     return max(n for n in range(1, max(cores, 1) + 1) if batch_size % n == 0)
+
+
+def device_count_is_open(config: DeviceConfig, devices: Sequence[jax.Device]) -> bool:
+    """`device.num_devices=null` on CPU in one process, with more than one count to choose from."""
+    return (config.num_devices is None and devices[0].platform == "cpu" and jax.process_count() == 1
+            and len(devices) > 1)
+
+
+def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: Callable[[int], float],
+                        cache_file: Path) -> tuple[int, dict[int, float], bool]:
+    """The candidate count whose train step measures fastest, remembered per `key` in `cache_file`.
+
+    On CPU, XLA runs the small matmuls inside a time scan on about one core: one
+    simulated device per core made small and mid-sized models 1.1-1.3x faster on a 2-core
+    CPU, and the largest one (H=1024) 0.74x as fast, since its big matmuls already use
+    every core (README benchmark). So the count is measured, once per (machine, model,
+    batch, task): a rerun, a resumed run and the jobs of a sweep read it back, and with it
+    get the same numerics. Returns (count, seconds per step by count, read from the cache).
+    """
+    try:
+        cached = json.loads(cache_file.read_text()).get(key)
+    except (OSError, ValueError):
+        cached = None
+    if cached and int(cached["num_devices"]) in candidates:
+        return int(cached["num_devices"]), {int(n): t for n, t in cached["seconds_per_step"].items()}, True
+    timings = {n: seconds_per_step(n) for n in candidates}
+    best = min(timings, key=timings.get)
+    try:
+        entries = json.loads(cache_file.read_text()) if cache_file.exists() else {}
+        entries[key] = {"num_devices": best, "seconds_per_step": timings}
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, cache_file)
+    except (OSError, ValueError):
+        pass  # a read-only home still trains, measuring again next time
+    return best, timings, False
 
 
 def configure_backend(config: DeviceConfig, batch_size: int, distributed: bool = False) -> None:
@@ -93,7 +125,8 @@ def select_devices(config: DeviceConfig, batch_size: int) -> list[jax.Device]:
     """The devices to pmap over, or a ConfigError that says what exists.
 
     One process: its first `num_devices` local devices; null means every local device
-    on an accelerator and `cpu_device_count` on CPU. Several processes: every device of
+    on an accelerator, and on CPU the `cpu_device_count` candidates (the training run
+    then measures which count is fastest: `choose_device_count`). Several processes: every device of
     every process (pmap's device list is global); `num_devices` must then be null or
     this process's local device count.
     """

@@ -38,31 +38,31 @@ def _sigmoid_grad(s: jax.Array) -> jax.Array:
 
 
 def _scan(step, init, xs, reverse=False, unroll=1, prefetch=False):
-    """`lax.scan(step, init, xs)` with each step's slice of xs read one iteration ahead.
+    """`lax.scan(step, init, xs, reverse, unroll)`; with `prefetch` (forward only), each step's
+    slice of xs is read one iteration ahead and carried.
 
-    XLA's CPU fusion emitter fuses the per-step slice `xs[t]` into the elementwise
-    fusion that consumes it, and such a fusion runs its transcendentals (sigmoid,
-    tanh) without vectorising them: the LSTM forward step took 126 us against 49 us
-    without the slice (B=32, H=100). Carrying the slice from the previous iteration
-    puts it in a fusion of its own (a [B, ...] copy) and keeps the math vectorised.
-    The copy costs more than it saves where a step has little transcendental work
-    (the Elman step, every backward step), so only the gated cells' forward uses it.
+    XLA's CPU fusion emitter fuses the per-step slice `xs[t]` into the elementwise fusion
+    that consumes it, and such a fusion runs the step's transcendentals (sigmoid, tanh)
+    slowly: an LSTM forward step (B=32, H=100) took 126 us, against 49 us with no slice at
+    all. Carrying the slice from the previous iteration puts it in a fusion of its own (a
+    [B, ...] copy): 85 us. The copy costs more than it saves where a step has little
+    transcendental work (the Elman step, the backward steps), so only the gated cells'
+    forward uses it.
     """
     if not prefetch:
         return jax.lax.scan(step, init, xs, reverse=reverse, unroll=unroll)
-    first = jax.tree_util.tree_map(lambda x: x[-1] if reverse else x[0], xs)
-    if reverse:
-        rest = jax.tree_util.tree_map(lambda x: jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]]), xs)
-    else:
-        rest = jax.tree_util.tree_map(lambda x: jnp.concatenate([x[1:], jnp.zeros_like(x[:1])]), xs)
+    assert not reverse, "prefetch is implemented for forward scans only"
+    first = jax.tree_util.tree_map(lambda x: x[0], xs)
+    rest = jax.tree_util.tree_map(lambda x: jnp.concatenate([x[1:], jnp.zeros_like(x[:1])]), xs)
 
     def prefetched(carry, x_next):
         carry, x_t = carry
         carry, y = step(carry, x_t)
         return (carry, x_next), y
 
-    (carry, _), ys = jax.lax.scan(prefetched, (init, first), rest, reverse=reverse, unroll=unroll)
+    (carry, _), ys = jax.lax.scan(prefetched, (init, first), rest, unroll=unroll)
     return carry, ys
+
 
 # Per cell: forward(u, w_hh, b_hn, activation, unroll) -> (hs, residuals) and
 # backward(residuals, w_hh, b_hn, activation, g, unroll) -> (du, da, db_hn), where da is the

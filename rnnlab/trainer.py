@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import time
@@ -146,11 +147,44 @@ def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: l
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
-def _device_choice(config: cfg.Config, devices: list) -> str:
-    """Why this many devices, when the config left it open on CPU."""
-    if config.device.num_devices is not None or devices[0].platform != "cpu" or jax.process_count() > 1:
-        return ""
-    return f" (device.num_devices=null: one per core the batch divides into, of {parallel.host_cores()} cores)"
+def _p_train_step(config: cfg.Config, task: data.Task, schedule: optax.Schedule, dp: parallel.DataParallel) -> Callable:
+    """`train_step` mapped over `dp`'s devices: (replicated state, sharded batch) -> replicated, state donated."""
+    step = functools.partial(
+        train_step, task=task, schedule=schedule, skip_nonfinite=config.on_nonfinite == "skip", seed=config.seed,
+    )
+    return dp.map(step, (parallel.REPLICATED, parallel.SHARDED), (parallel.REPLICATED, parallel.REPLICATED),
+                  donate_argnums=(0,))
+
+
+def _fastest_devices(config, task, model, tx, schedule, params_key, devices) -> tuple[list, str]:
+    """`device.num_devices=null` on CPU: 1 device or all of `devices`, whichever trains faster
+    (measured once, then read from the cache: `parallel.choose_device_count`)."""
+
+    def seconds_per_step(n: int) -> float:
+        dp = parallel.DataParallel(devices[:n], config.device.strategy)
+        per_device = config.batch_size // n
+        example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
+        state = dp.replicate(create_train_state(params_key, model, example, tx))
+        p_step = _p_train_step(config, task, schedule, dp)
+        batch = make_sampler(task, data.stream_key(config.seed, data.TRAIN_STREAM), per_device, dp)(dp.host_scalar(0))
+        state, metrics = p_step(state, batch)  # compiles
+        jax.block_until_ready(metrics)
+        times = []
+        for _ in range(5):  # median of 5 single steps: one sync each, well under the steps-in-flight bound
+            start = time.perf_counter()
+            state, metrics = p_step(state, batch)
+            jax.block_until_ready(metrics)
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    key = json.dumps({"device": flops.device_key(devices[0]), "cores": parallel.host_cores(), "batch": config.batch_size,
+                      "data": dataclasses.asdict(config.data), "model": dataclasses.asdict(config.model),
+                      "strategy": config.device.strategy}, sort_keys=True)
+    cache_file = flops.cache_path().with_name("device_count.json")
+    count, timings, cached = parallel.choose_device_count(key, [1, len(devices)], seconds_per_step, cache_file)
+    measured = ", ".join(f"{n}: {1e3 * t:.1f} ms/step" for n, t in sorted(timings.items()))
+    note = f" (device.num_devices=null: fastest of {measured}{', cached' if cached else ''})"
+    return devices[:count], note
 
 
 def _mean(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -295,7 +329,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     primary = parallel.is_primary()
     if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
         log.setLevel(logging.WARNING)
-    per_device = parallel.check_batch_divides(config.batch_size, len(devices))
+    parallel.check_batch_divides(config.batch_size, len(devices))
     task = data.make_task(config.data)
     flat_config = cfg.flatten(config)
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every, config.checkpoint.keep)
@@ -309,8 +343,12 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
 
     model = RecurrentModel(config.model, task.output_dim)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
-    example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
     params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
+    device_note = ""
+    if parallel.device_count_is_open(config.device, devices):
+        devices, device_note = _fastest_devices(config, task, model, tx, schedule, params_key, devices)
+    per_device = parallel.check_batch_divides(config.batch_size, len(devices))
+    example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
     if primary:
         summary = summary_table(model, example)
         (workdir / "model_summary.txt").write_text(summary)
@@ -336,12 +374,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         task=task,
         devices=devices,
         dp=dp,
-        p_train_step=dp.map(
-            functools.partial(
-                train_step, task=task, schedule=schedule, skip_nonfinite=config.on_nonfinite == "skip", seed=config.seed,
-            ),
-            (replicated, sharded), (replicated, replicated), donate_argnums=(0,),
-        ),
+        p_train_step=_p_train_step(config, task, schedule, dp),
         p_eval_step=dp.map(functools.partial(eval_step, task=task), (replicated, sharded), replicated),
         p_train_batch=make_sampler(task, data.stream_key(config.seed, data.TRAIN_STREAM), per_device, dp),
         eval_batches=[],
@@ -359,7 +392,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     log.info(
         "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s)%s x batch %d | %d tokens/step | %.3g FLOPs/step",
         task.name, task.seq_len, task.baseline_loss, num_params, len(devices), devices[0].platform,
-        _device_choice(config, devices), per_device, tokens_per_step, run.flops_per_step,
+        device_note, per_device, tokens_per_step, run.flops_per_step,
     )
 
     state = dp.replicate(state)

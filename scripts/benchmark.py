@@ -4,13 +4,15 @@
     python scripts/benchmark.py --cells rnn --rows 0 3 --repeats 3   # a quick subset
     python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
     python scripts/benchmark.py --rows 0 --variant model.recurrence=autodiff   # custom_vjp vs autodiff
+    python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs the bare step
 
 The step is what `python train.py` runs: rnnlab's own `create_train_state` and
-`train_step` under `jax.pmap` (state donated) on the devices train.py picks by default
-(on CPU one simulated device per core that the batch divides into: column `dev`), with
-the adding task's batch generated beforehand, Adam, no clipping (clip_norm=0 on all
-sides). `--devices 1` (the default) also times it on one device, `--variant OVERRIDES`
-with other rnnlab settings (e.g. `model.recurrence=autodiff`), side by side. The same
+`train_step` under `jax.pmap` (state donated), with the adding task's batch generated
+beforehand, Adam, no clipping (clip_norm=0 on all sides). On CPU it runs on one simulated
+device per core (that the batch divides into) and on each count of `--devices` (default
+1), and the main columns show the faster, as train.py picks with device.num_devices=null
+(column `dev`). `--variant OVERRIDES` times rnnlab with other settings (e.g.
+`model.recurrence=autodiff`, on the per-core device count) side by side. The same
 model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
 the last step) and the same forward + backward + Adam update are built in
 `torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
@@ -170,8 +172,8 @@ class TorchStep:
 
 
 def default_device_count(batch: int) -> int:
-    """What train.py uses with device.num_devices=null: on CPU, one simulated device per core that
-    the batch divides into (rnnlab.parallel.cpu_device_count); one device elsewhere."""
+    """The most devices train.py tries with device.num_devices=null: on CPU, one simulated device
+    per core that the batch divides into (rnnlab.parallel.cpu_device_count); one device elsewhere."""
     if jax.devices()[0].platform != "cpu":
         return 1
     return parallel.cpu_device_count(batch, min(parallel.host_cores(), len(jax.devices())))
@@ -207,6 +209,10 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         for name, fn in runners.items():
             times[name].append(timed(fn, steps[name]))
     median = {name: statistics.median(v) for name, v in times.items()}
+    by_devices = {main_devices: median["rnnlab"], **{n: median[f"rnnlab@{n}"] for n in args.devices
+                                                     if f"rnnlab@{n}" in median}}
+    main_devices = min(by_devices, key=by_devices.get)  # as train.py does: the faster count
+    median["rnnlab"] = by_devices[main_devices]
     tokens = b * t
     model_flops = flops.train_step_flops(config.model, ours.task.input_dim, ours.task.output_dim, tokens)
     result = {
@@ -220,8 +226,7 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
         "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
         "devices": main_devices,
-        "step_ms_by_devices": {n: 1e3 * median[f"rnnlab@{n}"] if f"rnnlab@{n}" in median else
-                               (1e3 * median["rnnlab"] if n == main_devices else None) for n in args.devices},
+        "step_ms_by_devices": {n: 1e3 * by_devices[n] if n in by_devices else None for n in args.devices},
         "step_ms_by_variant": {v: 1e3 * median[v] for v in args.variant},
         "repeats": args.repeats, "steps_per_repeat": steps, "all_times_ms": {k: [1e3 * x for x in v] for k, v in times.items()},
         "load_start": load_start, "load_end": load(),
@@ -247,6 +252,39 @@ def compile_vs_layers(args) -> list[dict]:
     return rows
 
 
+def loop_vs_step(args, peak: float | None) -> list[dict]:
+    """tokens/s of the whole training loop (train.py's own: on-device data, logging, eval, async
+    Orbax saves; its clock skips the compiling step and pauses for eval and saves) against the
+    bare step on the same devices, timed before and after the loop in the same process."""
+    import tempfile
+
+    rows = []
+    print(f"training loop vs bare step: {args.loop} steps, log_every/eval_every/checkpoint.every at their "
+          f"defaults (100/500/500) | load {load():.2f}")
+    for cell in args.cells:
+        for i in args.rows:
+            h, b, t, layers = GRID[i]
+            n = default_device_count(b)
+            config = compose(cell, h, b, t, layers, [*args.override, f"steps={args.loop}", f"device.num_devices={n}"])
+            step = RnnlabStep(config, n)
+            step(1)
+            count = max(1, min(200, int(args.min_seconds / max(timed(step, 1), 1e-6))))
+            before = statistics.median(timed(step, count) for _ in range(args.repeats))
+            with tempfile.TemporaryDirectory() as workdir:
+                results = trainer.train_and_evaluate(config, workdir)
+            after = statistics.median(timed(step, count) for _ in range(args.repeats))
+            bare = b * t / ((before + after) / 2)
+            row = {"cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "devices": n,
+                   "bare_tokens_per_sec": bare, "loop_tokens_per_sec": results["tokens_per_sec"],
+                   "ratio": results["tokens_per_sec"] / bare, "bare_ms_before": 1e3 * before,
+                   "bare_ms_after": 1e3 * after, "loop_wall_seconds": results["wall_seconds"], "load": load()}
+            rows.append(row)
+            print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | bare step {bare:12,.0f} tokens/s "
+                  f"({1e3 * before:.2f} / {1e3 * after:.2f} ms before/after) | loop {row['loop_tokens_per_sec']:12,.0f} "
+                  f"tokens/s | loop/bare {row['ratio']:.3f} | load {row['load']:.2f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=list(cfg.CELLS), choices=cfg.CELLS)
@@ -263,6 +301,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "e.g. --variant model.recurrence=autodiff")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-flax", action="store_true")
+    parser.add_argument("--loop", type=int, metavar="STEPS",
+                        help="instead: tokens/s of the whole training loop (STEPS steps) against the bare step")
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only measure compile seconds for these num_layers")
     parser.add_argument("--compile-row", type=int, default=1, help="grid row whose shape --compile-layers uses")
     parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
@@ -288,6 +328,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'
     device = jax.devices()[0]
     peak = flops.peak_flops(device, "float32")
+    if args.loop:
+        out = {"loop_vs_step": loop_vs_step(args, peak)}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return out
     print(f"device {flops.device_key(device)} | jax {jax.__version__} | {torch_note} | "
           f"float32 peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
     header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'dev':>3} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "

@@ -4,10 +4,14 @@ pmap over 1, 2 or 4 devices in this process; runs that need a fresh JAX use subp
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# rnnlab's caches (measured peak FLOP/s, measured CPU device counts) in a fresh dir for the
+# session, shared with the subprocesses: tests neither read nor write the user's ~/.cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
 
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
