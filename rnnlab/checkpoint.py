@@ -73,6 +73,14 @@ class Checkpointer:
                     f"use the same value to resume, or a new hydra.run.dir (or checkpoint.resume=false there)"
                 )
 
+    def saved_run_config(self) -> dict[str, Any]:
+        """The flat config this run dir was first trained with ({} if none was recorded)."""
+        path = self.directory / RUN_CONFIG_FILE
+        try:
+            return dict(json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            return {}
+
     def write_run_config(self, flat_config: Mapping[str, Any]) -> None:
         path = self.directory / RUN_CONFIG_FILE
         tmp = path.with_suffix(".tmp")

@@ -36,10 +36,21 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_device_count(batch_size: int, cores: int) -> int:
-    """The most simulated CPU devices worth trying: one per core, or the largest count
-    below that which the batch divides into."""
-    return max(n for n in range(1, max(cores, 1) + 1) if batch_size % n == 0)
+MAX_CPU_DEVICES = 8  # the most simulated CPU devices `device.num_devices=null` tries
+
+
+def max_cpu_devices() -> int:
+    """The most simulated CPU devices worth trying: one per core, at most MAX_CPU_DEVICES, or
+    fewer if `RNNLAB_MAX_CPU_DEVICES` says so (the parallel sweep launcher sets 1: a job per core)."""
+    cap = MAX_CPU_DEVICES
+    if os.environ.get("RNNLAB_MAX_CPU_DEVICES"):
+        cap = max(1, int(os.environ["RNNLAB_MAX_CPU_DEVICES"]))
+    return min(host_cores(), cap)
+
+
+def cpu_device_count(batch_size: int, most: int) -> int:
+    """The largest count up to `most` that the batch divides into."""
+    return max(n for n in range(1, max(most, 1) + 1) if batch_size % n == 0)
 
 
 def device_count_is_open(config: DeviceConfig, devices: Sequence[jax.Device]) -> bool:
@@ -48,34 +59,50 @@ def device_count_is_open(config: DeviceConfig, devices: Sequence[jax.Device]) ->
             and len(devices) > 1)
 
 
+def _read_json_object(path: Path) -> dict:
+    """A JSON object from `path`, or {} if it is missing, unreadable or not an object."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: Callable[[int], float],
-                        cache_file: Path) -> tuple[int, dict[int, float], bool]:
+                        cache_file: Path, margin: float = 0.05) -> tuple[int, dict[int, float], bool]:
     """The candidate count whose train step measures fastest, remembered per `key` in `cache_file`.
 
-    On CPU, XLA runs the small matmuls inside a time scan on about one core: one
-    simulated device per core made small and mid-sized models 1.1-1.3x faster on a 2-core
-    CPU, and the largest one (H=1024) 0.74x as fast, since its big matmuls already use
-    every core (README benchmark). So the count is measured, once per (machine, model,
-    batch, task): a rerun, a resumed run and the jobs of a sweep read it back, and with it
-    get the same numerics. Returns (count, seconds per step by count, read from the cache).
+    On CPU, XLA runs the small matmuls inside a time scan on about one core: one simulated
+    device per core made models with H=100 and H=256 1.13-1.50x faster on a 2-core CPU,
+    and made H=1024 models 0.69-0.76x as fast, since their big matmuls already use every
+    core (README benchmark). So the count is measured, once per key (machine, candidates,
+    XLA_FLAGS, model, batch, data), and later runs read it back. More devices must win by
+    `margin` to be chosen over fewer. Returns (count, seconds per step by count, from cache).
     """
+    entries = _read_json_object(cache_file)
     try:
-        cached = json.loads(cache_file.read_text()).get(key)
-    except (OSError, ValueError):
-        cached = None
-    if cached and int(cached["num_devices"]) in candidates:
-        return int(cached["num_devices"]), {int(n): t for n, t in cached["seconds_per_step"].items()}, True
-    timings = {n: seconds_per_step(n) for n in candidates}
-    best = min(timings, key=timings.get)
+        cached = entries.get(key)
+        count = int(cached["num_devices"])
+        if count in candidates:
+            return count, {int(n): float(t) for n, t in cached["seconds_per_step"].items()}, True
+    except (TypeError, KeyError, ValueError, AttributeError):
+        pass  # no entry, or a damaged one: measure (and overwrite it)
+    timings = {n: seconds_per_step(n) for n in sorted(candidates)}
+    best = min(candidates)
+    for n in sorted(candidates):
+        if timings[n] < (1 - margin) * timings[best]:
+            best = n
+    entries[key] = {"num_devices": best, "seconds_per_step": timings}
+    tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
     try:
-        entries = json.loads(cache_file.read_text()) if cache_file.exists() else {}
-        entries[key] = {"num_devices": best, "seconds_per_step": timings}
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, cache_file)
-    except (OSError, ValueError):
-        pass  # a read-only home still trains, measuring again next time
+    except OSError:  # an unwritable cache dir: the run trains, and measures again next time
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return best, timings, False
 
 
@@ -88,8 +115,8 @@ def configure_backend(config: DeviceConfig, batch_size: int, distributed: bool =
     if config.platform in ("auto", "cpu"):
         # Only affects the CPU backend: N simulated devices sharing the host's cores.
         wanted = config.num_devices
-        if wanted is None and not distributed:
-            wanted = cpu_device_count(batch_size, host_cores())
+        if wanted is None and not distributed and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+            wanted = cpu_device_count(batch_size, max_cpu_devices())
         if wanted is not None:
             jax.config.update("jax_num_cpu_devices", max(wanted, jax.config.jax_num_cpu_devices))
 
@@ -151,7 +178,7 @@ def select_devices(config: DeviceConfig, batch_size: int) -> list[jax.Device]:
     wanted = config.num_devices
     if wanted is None:
         on_cpu = available[0].platform == "cpu"
-        wanted = cpu_device_count(batch_size, min(host_cores(), len(available))) if on_cpu else len(available)
+        wanted = cpu_device_count(batch_size, min(max_cpu_devices(), len(available))) if on_cpu else len(available)
     if wanted > len(available):
         platform = available[0].platform
         hint = (

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 # pmap over simulated CPU devices aborts (all-reduce timeout) with ~50 steps queued
 # without a host sync; a sync at least this often keeps the queue short on every backend.
 MAX_STEPS_IN_FLIGHT = 16
+DEVICES_USED_KEY = "device.num_devices_used"  # in checkpoints/run_config.json: what a resumed run keeps
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
 
@@ -167,9 +168,16 @@ def _p_train_step(config: cfg.Config, task: data.Task, schedule: optax.Schedule,
     return dp.map(step, (parallel.REPLICATED,), (parallel.REPLICATED, parallel.REPLICATED), donate_argnums=(0,))
 
 
-def _fastest_devices(config, task, model, tx, schedule, params_key, devices) -> tuple[list, str]:
-    """`device.num_devices=null` on CPU: 1 device or all of `devices`, whichever trains faster
-    (measured once, then read from the cache: `parallel.choose_device_count`)."""
+def _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded: int | None) -> tuple[list, str]:
+    """`device.num_devices=null` on CPU: 1 device or all of `devices`, whichever trains faster.
+
+    A resumed run keeps the count its run dir recorded (`recorded`; 1 for a run dir from
+    before counts were recorded), so that it continues with the same numerics. Otherwise the
+    count is measured once per machine and model and then read from the cache
+    (`parallel.choose_device_count`)."""
+    if recorded is not None:
+        count = recorded if recorded <= len(devices) and config.batch_size % recorded == 0 else 1
+        return devices[:count], f" (device.num_devices=null: {count}, as this run dir was trained)"
 
     def seconds_per_step(n: int) -> float:
         dp = parallel.DataParallel(devices[:n], config.device.strategy)
@@ -179,19 +187,22 @@ def _fastest_devices(config, task, model, tx, schedule, params_key, devices) -> 
         p_step = _p_train_step(config, task, schedule, dp, per_device)
         state, metrics = p_step(state)  # compiles
         jax.block_until_ready(metrics)
-        times = []
-        for _ in range(5):  # median of 5 single steps: one sync each, well under the steps-in-flight bound
+        times: list[float] = []
+        budget_end = time.perf_counter() + 2.0  # up to 5 steps or 2 s, one sync each
+        while len(times) < 5 and (not times or time.perf_counter() < budget_end):
             start = time.perf_counter()
             state, metrics = p_step(state)
             jax.block_until_ready(metrics)
             times.append(time.perf_counter() - start)
         return float(np.median(times))
 
-    key = json.dumps({"device": flops.device_key(devices[0]), "cores": parallel.host_cores(), "batch": config.batch_size,
+    candidates = [1, len(devices)]
+    key = json.dumps({"device": flops.device_key(devices[0]), "cores": parallel.host_cores(), "candidates": candidates,
+                      "xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": config.batch_size,
                       "data": dataclasses.asdict(config.data), "model": dataclasses.asdict(config.model),
                       "strategy": config.device.strategy}, sort_keys=True)
     cache_file = flops.cache_path().with_name("device_count.json")
-    count, timings, cached = parallel.choose_device_count(key, [1, len(devices)], seconds_per_step, cache_file)
+    count, timings, cached = parallel.choose_device_count(key, candidates, seconds_per_step, cache_file)
     measured = ", ".join(f"{n}: {1e3 * t:.1f} ms/step" for n, t in sorted(timings.items()))
     note = f" (device.num_devices=null: fastest of {measured}{', cached' if cached else ''})"
     return devices[:count], note
@@ -355,7 +366,10 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
     device_note = ""
     if parallel.device_count_is_open(config.device, devices):
-        devices, device_note = _fastest_devices(config, task, model, tx, schedule, params_key, devices)
+        recorded = None
+        if latest is not None:  # resuming: the count this run dir trained with (1 if not recorded)
+            recorded = int(checkpointer.saved_run_config().get(DEVICES_USED_KEY) or 1)
+        devices, device_note = _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded)
     per_device = parallel.check_batch_divides(config.batch_size, len(devices))
     example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
     if primary:
@@ -370,7 +384,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         state, _ = restored
         log.info("resumed from %s at step %d", checkpointer.directory, int(state.step))
     elif primary:
-        checkpointer.write_run_config(flat_config)
+        checkpointer.write_run_config({**flat_config, DEVICES_USED_KEY: len(devices)})
     start_step = int(state.step)
     num_params = count_params(state.params)
 

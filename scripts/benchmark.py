@@ -176,7 +176,7 @@ def default_device_count(batch: int) -> int:
     per core that the batch divides into (rnnlab.parallel.cpu_device_count); one device elsewhere."""
     if jax.devices()[0].platform != "cpu":
         return 1
-    return parallel.cpu_device_count(batch, min(parallel.host_cores(), len(jax.devices())))
+    return parallel.cpu_device_count(batch, min(parallel.max_cpu_devices(), len(jax.devices())))
 
 
 def timed(fn, n: int) -> float:
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     # Before anything starts the backend: enough simulated CPU devices for train.py's choice and --devices.
-    jax.config.update("jax_num_cpu_devices", max([parallel.host_cores(), *args.devices]))
+    jax.config.update("jax_num_cpu_devices", max([parallel.max_cpu_devices(), *args.devices]))
     try:
         import torch
 

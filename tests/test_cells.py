@@ -76,8 +76,9 @@ def test_cell_matches_numpy_equations(cell, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
-def test_two_layer_stack_matches_torch(cell):
+def test_two_layer_stack_matches_torch(cell, recurrence):
     torch = pytest.importorskip("torch")
     torch.manual_seed(0)
     # Input width H so that the torch layers' shapes match our stack (which follows input_proj).
@@ -88,7 +89,7 @@ def test_two_layer_stack_matches_torch(cell):
     sd = {k: v.detach().numpy() for k, v in net.state_dict().items()}
     layers = [from_torch(cell, *(sd[f"{w}_l{k}"] for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))) for k in (0, 1)]
     params = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
-    stack = LayerStack(hidden_dim=H, num_layers=2, layer_options=(("cell", cell),))
+    stack = LayerStack(hidden_dim=H, num_layers=2, layer_options=(("cell", cell), ("recurrence", recurrence)))
     got = jax.jit(stack.apply)({"params": {"layers": params}}, x.swapaxes(0, 1)).swapaxes(0, 1)  # time-major stack
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 

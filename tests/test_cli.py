@@ -22,36 +22,10 @@ def test_readme_command_with_top_level_hidden_dim(tmp_path):
     assert "kernel: float32[2,100]" in summary and ",100,100]" in summary  # hidden_dim=100 reached the model
     assert "baseline 0.1667" in proc.stdout + proc.stderr
     # device.num_devices=null on CPU: 1 device or one per core, whichever measured faster, said so.
-    most = parallel.cpu_device_count(8, parallel.host_cores())
+    most = parallel.cpu_device_count(8, parallel.max_cpu_devices())
     assert results["num_devices"] in (1, most)
     if most > 1:
         assert "device.num_devices=null: fastest of 1: " in proc.stdout + proc.stderr
-
-
-def test_cpu_device_count_is_one_per_core_when_the_batch_divides():
-    assert parallel.cpu_device_count(32, 2) == 2
-    assert parallel.cpu_device_count(30, 4) == 3
-    assert parallel.cpu_device_count(7, 4) == 1
-    assert parallel.cpu_device_count(1, 16) == 1
-
-
-def test_device_count_is_measured_once_then_read_from_the_cache(tmp_path):
-    cache = tmp_path / "device_count.json"
-    calls = []
-
-    def seconds_per_step(n):
-        calls.append(n)
-        return {1: 0.010, 2: 0.007}[n]
-
-    assert parallel.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, False)
-    assert calls == [1, 2]
-    assert parallel.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, True)
-    assert calls == [1, 2]  # read back, not measured again
-    slower_with_two = {1: 0.010, 2: 0.020}
-    assert parallel.choose_device_count("model B", [1, 2], slower_with_two.get, cache)[0] == 1
-    assert set(json.loads(cache.read_text())) == {"model A", "model B"}
-    # A cached count that is no longer a candidate (fewer devices now) is measured again.
-    assert parallel.choose_device_count("model A", [1], {1: 0.5}.get, cache) == (1, {1: 0.5}, False)
 
 
 def test_four_simulated_devices(tmp_path):
