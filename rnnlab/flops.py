@@ -2,24 +2,29 @@
 
 What is counted: **matrix multiplications only**, 2 FLOPs per multiply-add, for the
 model FLOPs of one forward + backward pass (the convention behind MFU: PaLM, Chowdhery
-et al. 2022, App. B). With `B` batch, `T` time steps (the task's `total_len`), `I`
-inputs, `H` hidden units, `L` layers, `O` outputs and `G` gates (rnn 1, lstm 4, gru 3),
-one example and one time step cost, forward:
+et al. 2022, App. B), as the step computes them. With `B` batch, `T` time steps (the
+task's `total_len`), `I` inputs, `H` hidden units, `L` layers, `O` outputs and `G`
+gates (rnn 1, lstm 4, gru 3), one example and one time step cost, forward:
 
-    input projection   2 * I * H             nn.Dense(H) on the task's input
-    per layer          2 * H * G*H           x W_xh (hoisted before the scan or not: same count)
-                     + 2 * H * G*H           h_{t-1} W_hh, inside the time scan
+    first layer input  2 * I * G*H           x (P W_xh): the input projection P [I, H] folded
+                                             into layer 0's W_xh (rnnlab.models.folds_projection)
+    per layer          2 * H * G*H           h_{t-1} W_hh, inside the time scan
+    layers 1 .. L-1    2 * H * G*H           x W_xh (hoisted before the scan or not: same count)
     readout            2 * H * O             applied at every time step
 
 Backward: every matmul `Y = X W` costs two more of its size (dX = dY W^T and
-dW = X^T dY), except the input projection, whose input is data (no dX is formed):
+dW = X^T dY), except where X is data (no dX): the first layer's input term,
 
-    backward = 2 * forward - 2 * I * H
+    backward = 2 * forward - 2 * I * G*H
 
-so a step is `B * T * (3 * forward - 2*I*H)` per token, summed over all tokens of the
-global batch. This is exact: `jaxpr_matmul_flops` counts the `dot_general`s of the
-traced step (scan bodies times their length) and tests/test_flops.py checks the two
-agree for every cell and option.
+per token. Once per step, not per token: the fold's products `P W_xh` (2 * I * H * G*H)
+and `c W_xh` (2 * H * G*H, c the projection's bias), forward, and twice that backward
+(their gradients for P, c and W_xh). Where the fold is not cheaper (I >= 2H, no task
+here), the projection runs as its own matmul instead: `2 * I * H` forward and backward
+per token, plus the first layer's `2 * H * G*H` like the others. A step is the per-token
+count times `B * T` (global batch) plus the per-step terms. This is exact:
+`jaxpr_matmul_flops` counts the `dot_general`s of the traced step (scan bodies times
+their length) and tests/test_flops.py checks the two agree for every cell and option.
 
 Not counted: elementwise work (bias adds, gate nonlinearities and products, the loss,
 dropout) and the optimizer update (O(H) per token and O(1) per parameter against
@@ -78,14 +83,27 @@ class StepFlops:
 
 def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
-    h, gh = model.hidden_dim, NUM_GATES[model.cell] * model.hidden_dim
-    input_proj, readout = 2 * input_dim * h, 2 * h * output_dim
-    w_xh = w_hh = 2 * h * gh
-    forward = input_proj + model.num_layers * (w_xh + w_hh) + readout
-    backward = 2 * forward - input_proj
+    from rnnlab.models import folds_projection
+
+    h, gh, layers = model.hidden_dim, NUM_GATES[model.cell] * model.hidden_dim, model.num_layers
+    matmul = 2 * h * gh  # one [H, G*H] weight applied to one token
+    readout = 2 * h * output_dim
+    if folds_projection(input_dim, h):
+        first_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
+        forward = first_input + layers * matmul + (layers - 1) * matmul + readout
+        backward = 2 * forward - first_input
+        fold = 2 * input_dim * h * gh + matmul  # P W_xh and c W_xh, once per step
+        per_step_forward, per_step_backward = fold, 2 * fold
+    else:
+        first_input = matmul  # x_1 W_xh of layer 0, its input x_1 = x P + c
+        projection = 2 * input_dim * h
+        forward = projection + 2 * layers * matmul + readout
+        backward = 2 * forward - projection
+        per_step_forward = per_step_backward = 0
     # Remat reruns the scanned step: the recurrent matmul, and the input matmul when it is inside.
-    recompute = model.num_layers * (w_hh + (0 if model.hoist_input else w_xh)) if model.remat else 0
-    return StepFlops(forward * tokens, backward * tokens, recompute * tokens)
+    in_scan_input = 0 if model.hoist_input else first_input + (layers - 1) * matmul
+    recompute = layers * matmul + in_scan_input if model.remat else 0
+    return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
 
 
 def forward_flops_per_token(model: ModelConfig, input_dim: int, output_dim: int) -> int:

@@ -1,4 +1,5 @@
-"""Recurrent models: a cell scanned over time, layers stacked with a scan, a readout.
+"""Recurrent models: an input projection, recurrent layers (the first apart, the rest stacked
+with a scan), a readout.
 
 Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers and
 `G` the cell's gate count (1 rnn, 4 lstm, 3 gru; see `rnnlab.cells`).
@@ -6,14 +7,16 @@ Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers
 Parameter layout (`model.scan_layers=true`, the default)::
 
     input_proj/{kernel f32[I, H], bias f32[H]}
-    layers/{W_xh f32[L, H, G*H], b f32[L, G*H], cell/W_hh f32[L, H, G*H]}   <- stacked on axis 0
-           (gru also cell/b_hn f32[L, H])
+    stack/layer_0/{W_xh f32[H, G*H], b f32[G*H], cell/W_hh f32[H, G*H]}   (gru also cell/b_hn f32[H])
+    stack/layers/{W_xh f32[L-1, H, G*H], b f32[L-1, G*H], cell/W_hh f32[L-1, H, G*H]}   <- stacked on axis 0
     readout/{kernel f32[H, O], bias f32[O]}
 
-With `scan_layers=false` the stack is a Python loop and layer i lives under
-`layer_{i}/` with the same leaves, unstacked; `stack_layer_params` converts.
-Parameters are float32 whatever `model.dtype`; with bfloat16 they are cast at use
-and the readout's output is cast back to float32 for the loss.
+Layers 1 .. L-1 are one `nn.scan` (absent when L = 1). The first layer stands apart
+because it folds the input projection into its input weights (`fold_projection`):
+the function is the same, the work much smaller. With `scan_layers=false` the stack is
+a Python loop and layer i lives under `layer_{i}/` with the same leaves, unstacked;
+`stack_layer_params` converts. Parameters are float32 whatever `model.dtype`; with
+bfloat16 they are cast at use and the readout's output is cast back to float32 for the loss.
 """
 
 from __future__ import annotations
@@ -31,6 +34,39 @@ from rnnlab.recurrence import recurrence
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def folds_projection(input_dim: int, hidden_dim: int) -> bool:
+    """Whether the first layer folds the input projection into its input weights.
+
+    The projection is linear and nothing stands between it and the first layer's
+    input matmul, so `(x P + c) W_xh + b = x (P W_xh) + (c W_xh + b)`. Per token the
+    folded form costs one [I, G*H] matmul forward and one backward (the gradient of
+    `P W_xh`; x is data), against [I, H] + [H, G*H] forward and three [H, G*H]-sized
+    ones backward; the fold's own products (`P W_xh`, their gradients) are per step,
+    not per token. It is cheaper whenever I < 2H: the tasks here have I = 2 or 10.
+    """
+    return input_dim < 2 * hidden_dim
+
+
+def fold_projection(projection: tuple[jax.Array, jax.Array], w_xh: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(P: [I, H], c: [H]), W_xh: [H, G*H], b: [G*H] -> (P W_xh: [I, G*H], c W_xh + b: [G*H]), in float32."""
+    kernel, bias = projection
+    return kernel @ w_xh, bias @ w_xh + b
+
+
+class InputProjection(nn.Module):
+    """The input projection's parameters, `kernel` [I, H] and `bias` [H] with `nn.Dense`'s names
+    and initializers, returned rather than applied: the first layer folds them into its input
+    weights (`fold_projection`), or, where that is not cheaper, applies them itself."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, input_dim: int) -> tuple[jax.Array, jax.Array]:
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (input_dim, self.features))
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,))
+        return kernel, bias
+
+
 class RecurrentLayer(nn.Module):
     """One layer over a whole sequence: a cell (`rnnlab.cells`) scanned over time with `nn.scan`.
 
@@ -41,7 +77,9 @@ class RecurrentLayer(nn.Module):
     before the scan (`hoist_input`), or `x_t W_xh + b` inside it (the same function;
     on a 2-core CPU the in-scan form measured faster, see scripts/bench_cells.py). Call
     signature `(carry, unused) -> (carry, None)` so the layer itself can be scanned
-    over the stack; the carry is the sequence.
+    over the stack; the carry is the sequence. The first layer of a model gets the raw
+    input and the input projection's `(kernel, bias)` as `projection`, and folds them
+    into its input weights (`fold_projection`).
     """
 
     hidden_dim: int
@@ -58,13 +96,23 @@ class RecurrentLayer(nn.Module):
     deterministic: bool = True  # no dropout (evaluation)
 
     @nn.compact
-    def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
-        """x: [T, B, I] -> ([T, B, H] in the compute dtype, None)."""
+    def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
+        """x: [T, B, I] -> ([T, B, H] in the compute dtype, None).
+
+        projection: None, or the input projection's (kernel f32[I, H], bias f32[H]), which
+        this layer applies before its own input weights W_xh: f32[H, G*H].
+        """
         cell_cls = CELLS[self.cell]
         gates = cell_cls.num_gates
         input_init, _ = initializers(self.init_scheme)
-        w_xh = self.param("W_xh", per_gate(input_init, gates), (x.shape[-1], gates * self.hidden_dim))
+        fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
+        w_xh = self.param("W_xh", per_gate(input_init, gates), (fan_in, gates * self.hidden_dim))
         b = self.param("b", cell_cls.bias_init(self.forget_bias), (gates * self.hidden_dim,))
+        if projection is not None and folds_projection(x.shape[-1], self.hidden_dim):
+            w_xh, b = fold_projection(projection, w_xh, b)
+        elif projection is not None:
+            kernel, bias = (a.astype(self.dtype) for a in projection)
+            x = x.astype(self.dtype) @ kernel + bias
         x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
         if self.recurrence == "custom_vjp":
             w_hh, b_hn = RecurrentWeights(self.hidden_dim, self.cell, self.init_scheme, name="cell")()
@@ -96,14 +144,16 @@ class RecurrentLayer(nn.Module):
 
 
 class LayerStack(nn.Module):
-    """`num_layers` identical `RecurrentLayer`s: one `nn.scan` over layers, or a Python loop.
+    """`num_layers` `RecurrentLayer`s: the first, then the rest as one `nn.scan` or a Python loop.
 
     The scan traces and compiles one layer whatever the depth (compile time stays flat)
-    and stores every parameter with a leading `[num_layers]` axis under `layers/`.
-    `stack_init="vmap"` initialises that stack as `jax.vmap` of one layer's init over
-    per-layer keys (Flax issue #1771) instead of running init through the scan; the
-    parameters have the same layout. In that mode init returns `x` unchanged as the
-    stack's output (same shape; `Module.init` keeps only the parameters).
+    and stores the parameters of layers 1 .. L-1 with a leading `[num_layers - 1]` axis
+    under `layers/`; layer 0 lives under `layer_0/` in both forms, since it alone takes
+    the input projection (`RecurrentLayer`'s `projection`). `stack_init="vmap"`
+    initialises the scanned stack as `jax.vmap` of one layer's init over per-layer keys
+    (Flax issue #1771) instead of running init through the scan; the parameters have the
+    same layout. In that mode init returns the stack's input unchanged as the scanned
+    part's output (same shape; `Module.init` keeps only the parameters).
     """
 
     hidden_dim: int
@@ -115,31 +165,38 @@ class LayerStack(nn.Module):
     layer_options: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [T, B, H] -> [T, B, H] (time-major)."""
+    def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
+        """x: [T, B, H], or the raw input [T, B, I] with `projection` (kernel [I, H], bias [H])
+        -> [T, B, H] (time-major)."""
         kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
                       **dict(self.layer_options))
+        x, _ = RecurrentLayer(**kwargs, name="layer_0")(x, projection=projection)
+        rest = self.num_layers - 1
+        if rest == 0:
+            return x
         if not self.scan_layers:
-            for i in range(self.num_layers):
+            for i in range(1, self.num_layers):
                 x, _ = RecurrentLayer(**kwargs, name=f"layer_{i}")(x)
             return x
         if self.stack_init == "vmap" and self.is_initializing():
             stack = nn.vmap(
                 RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                in_axes=None, axis_size=self.num_layers,
+                in_axes=None, axis_size=rest,
             )
             stack(**kwargs, name="layers")(x, None)
             return x
         stack = nn.scan(
-            RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-            length=self.num_layers,
+            RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=rest,
         )
         x, _ = stack(**kwargs, name="layers")(x, None)
         return x
 
 
 class RecurrentModel(nn.Module):
-    """Input projection -> recurrent layer stack -> per-time-step linear readout."""
+    """Input projection -> recurrent layer stack -> per-time-step linear readout.
+
+    The input projection is a linear map the first layer applies (folded into its own
+    input weights where that is cheaper: `folds_projection`)."""
 
     config: ModelConfig
     output_dim: int
@@ -155,19 +212,21 @@ class RecurrentModel(nn.Module):
             ("deterministic", not train),
         )
         x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I]: the stack runs time-major throughout
-        x = nn.Dense(c.hidden_dim, dtype=dtype, name="input_proj")(x)
+        projection = InputProjection(c.hidden_dim, name="input_proj")(x.shape[-1])
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
-                       layer_options, name="stack")(x)
+                       layer_options, name="stack")(x, projection)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
         return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:
-    """Python-loop params (`stack/layer_{i}/...`) -> scanned layout (`stack/layers/...`, [L, ...])."""
-    stack = params["stack"]
-    layers = [stack[f"layer_{i}"] for i in range(num_layers)]
-    stacked = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layers)
-    return {**params, "stack": {"layers": stacked}}
+    """Python-loop params (`stack/layer_{i}/...`) -> scanned layout (`stack/layer_0/...` and
+    `stack/layers/...` with layers 1 .. L-1 stacked, [L-1, ...])."""
+    stack = {"layer_0": params["stack"]["layer_0"]}
+    if num_layers > 1:
+        layers = [params["stack"][f"layer_{i}"] for i in range(1, num_layers)]
+        stack["layers"] = jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves), *layers)
+    return {**params, "stack": stack}
 
 
 def count_params(params: Any) -> int:

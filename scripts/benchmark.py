@@ -85,7 +85,7 @@ class RnnlabStep:
         self.state = parallel.replicate(state, self.devices)
         per_device = config.batch_size // num_devices
         sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), per_device, self.devices)
-        self.batch = sampler(np.zeros(num_devices, np.int32))
+        self.batch = sampler(np.zeros(num_devices, np.int32))  # leaves [num_devices, B / num_devices, ...]
         self.p_step = jax.pmap(
             lambda s, b: trainer.train_step(s, b, self.task, schedule),
             axis_name=parallel.AXIS, devices=self.devices, donate_argnums=(0,),
@@ -93,6 +93,11 @@ class RnnlabStep:
         t0 = time.perf_counter()
         self.p_step = self.p_step.lower(self.state, self.batch).compile()
         self.compile_seconds = time.perf_counter() - t0
+
+    def global_batch(self) -> data.Batch:
+        """The whole batch (every device's shard, in order) as host arrays [B, ...]: what torch and
+        flax get, so that all frameworks do the same work whatever rnnlab's device count."""
+        return jax.tree_util.tree_map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), self.batch)
 
     def __call__(self, n: int) -> None:
         for i in range(n):
@@ -121,8 +126,7 @@ class FlaxStep:
                     x = nn.RNN(cell_cls(h))(x)
                 return nn.Dense(1)(x)
 
-        inputs = jnp.asarray(batch.inputs[0])
-        targets = jnp.asarray(batch.targets[0])
+        inputs, targets = jnp.asarray(batch.inputs), jnp.asarray(batch.targets)
         model = Model()
         params = model.init(jax.random.key(0), inputs)
         tx = optax.adam(LR)
@@ -146,7 +150,8 @@ class FlaxStep:
 
 
 class TorchStep:
-    """torch.nn.RNN/LSTM/GRU with the same input and readout Linear layers, MSE and Adam."""
+    """torch.nn.RNN/LSTM/GRU with the same input and readout Linear layers, MSE and Adam, on the
+    GPU (cuDNN's RNN kernels) when JAX runs on one and torch sees CUDA, else on the CPU."""
 
     def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: data.Batch):
         import torch
@@ -154,13 +159,15 @@ class TorchStep:
         rnn_cls = {"rnn": torch.nn.RNN, "lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
         torch.manual_seed(0)
         self.torch = torch
-        self.inp = torch.nn.Linear(batch.inputs.shape[-1], h)
-        self.rnn = rnn_cls(h, h, num_layers=layers, batch_first=True)
-        self.out = torch.nn.Linear(h, 1)
+        self.cuda = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
+        device = "cuda" if self.cuda else "cpu"
+        self.inp = torch.nn.Linear(batch.inputs.shape[-1], h, device=device)
+        self.rnn = rnn_cls(h, h, num_layers=layers, batch_first=True, device=device)
+        self.out = torch.nn.Linear(h, 1, device=device)
         params = [*self.inp.parameters(), *self.rnn.parameters(), *self.out.parameters()]
         self.opt = torch.optim.Adam(params, lr=LR)
-        self.x = torch.from_numpy(np.asarray(batch.inputs[0]).copy())
-        self.y = torch.from_numpy(np.asarray(batch.targets[0]).copy())
+        self.x = torch.from_numpy(np.asarray(batch.inputs).copy()).to(device)
+        self.y = torch.from_numpy(np.asarray(batch.targets).copy()).to(device)
 
     def __call__(self, n: int) -> None:
         for _ in range(n):
@@ -169,6 +176,8 @@ class TorchStep:
             loss = ((self.out(hs)[:, -1, 0] - self.y) ** 2).mean()
             loss.backward()
             self.opt.step()
+        if self.cuda:
+            self.torch.cuda.synchronize()
 
 
 def default_device_count(batch: int) -> int:
@@ -197,9 +206,9 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     for variant in args.variant:  # the same step with other overrides, timed side by side
         runners[variant] = RnnlabStep(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices)
     if torch_ok and not args.no_torch:
-        runners["torch"] = TorchStep(cell, h, b, t, layers, ours.batch)
+        runners["torch"] = TorchStep(cell, h, b, t, layers, ours.global_batch())
     if not args.no_flax:
-        runners["flax"] = FlaxStep(cell, h, b, t, layers, ours.batch)
+        runners["flax"] = FlaxStep(cell, h, b, t, layers, ours.global_batch())
     steps = {}
     for name, fn in runners.items():  # warm-up, and how many steps make one timed repeat
         fn(1)

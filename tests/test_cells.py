@@ -87,10 +87,11 @@ def test_two_layer_stack_matches_torch(cell, recurrence):
     with torch.no_grad():
         want = net(torch.from_numpy(x))[0].numpy()
     sd = {k: v.detach().numpy() for k, v in net.state_dict().items()}
-    layers = [from_torch(cell, *(sd[f"{w}_l{k}"] for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"))) for k in (0, 1)]
-    params = jax.tree_util.tree_map(lambda *a: jnp.stack(a), *layers)
+    first, second = (from_torch(cell, *(sd[f"{w}_l{k}"] for w in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")))
+                     for k in (0, 1))
+    params = {"layer_0": first, "layers": jax.tree_util.tree_map(lambda a: a[None], second)}
     stack = LayerStack(hidden_dim=H, num_layers=2, layer_options=(("cell", cell), ("recurrence", recurrence)))
-    got = jax.jit(stack.apply)({"params": {"layers": params}}, x.swapaxes(0, 1)).swapaxes(0, 1)  # time-major stack
+    got = jax.jit(stack.apply)({"params": params}, x.swapaxes(0, 1)).swapaxes(0, 1)  # time-major stack
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -126,13 +127,15 @@ def test_vmap_init_matches_scan_init(cell, scheme):
         assert abs(np.abs(a).max() - np.abs(b).max()) < 0.2 * np.abs(a).max() + 1e-6, jax.tree_util.keystr(path)
     for how in ("scan", "vmap"):  # independent draws per layer either way
         w_hh = np.asarray(trees[how]["stack"]["layers"]["cell"]["W_hh"])
-        assert w_hh.shape[0] == 6 and (scheme == "identity" or not np.allclose(w_hh[0], w_hh[1]))
+        assert w_hh.shape[0] == 5 and (scheme == "identity" or not np.allclose(w_hh[0], w_hh[1]))
 
 
 def test_lstm_forget_bias_is_a_config_key():
-    config = model_config("model=lstm", "hidden_dim=4", "num_layers=2", forget_bias=2.5)
-    b = init(RecurrentModel(config, 1), jnp.zeros((1, 3, 2)))["stack"]["layers"]["b"]
-    np.testing.assert_array_equal(np.asarray(b), np.repeat([[0.0] * 4 + [2.5] * 4 + [0.0] * 8], 2, axis=0))
+    config = model_config("model=lstm", "hidden_dim=4", "num_layers=3", forget_bias=2.5)
+    stack = init(RecurrentModel(config, 1), jnp.zeros((1, 3, 2)))["stack"]
+    gates = [0.0] * 4 + [2.5] * 4 + [0.0] * 8
+    np.testing.assert_array_equal(np.asarray(stack["layer_0"]["b"]), gates)
+    np.testing.assert_array_equal(np.asarray(stack["layers"]["b"]), np.repeat([gates], 2, axis=0))
 
 
 def loss_and_grads(config, seq_len=9, seed=0):

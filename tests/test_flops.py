@@ -64,6 +64,7 @@ OPTIONS = [
     ["model.dtype=bfloat16", "model.unroll=2"],
     ["model.recurrence=custom_vjp", "model.unroll=2", "model.scan_layers=false"],
     ["data=copy", "data.seq_len=12"],
+    ["data=copy", "data.seq_len=12", "hidden_dim=4"],  # I = 10 >= 2H: the projection is not folded
 ]
 
 
@@ -99,10 +100,26 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
 
 
 def test_backward_is_twice_forward_less_the_data_gradient():
+    """Per token, backward = 2 x forward less the first layer's data gradient (x is data); the
+    fold's per-step products cost twice as much backward as forward."""
     config = compose_config(["model.cell=lstm"])
-    f = flops.step_flops(config.model, input_dim=2, output_dim=1, tokens=10)
-    assert f.backward == 2 * f.forward - 10 * 2 * 2 * config.hidden_dim
-    assert f.recompute == 0 and f.executed == f.model == flops.train_step_flops(config.model, 2, 1, 10)
+    i, gh = 2, 4 * config.hidden_dim
+    f10, f20 = (flops.step_flops(config.model, input_dim=i, output_dim=1, tokens=n) for n in (10, 20))
+    forward_token, backward_token = (f20.forward - f10.forward) // 10, (f20.backward - f10.backward) // 10
+    assert backward_token == 2 * forward_token - 2 * i * gh
+    per_step = f10.forward - 10 * forward_token
+    assert per_step == 2 * i * config.hidden_dim * gh + 2 * config.hidden_dim * gh
+    assert f10.backward - 10 * backward_token == 2 * per_step
+    assert f10.recompute == 0 and f10.executed == f10.model == flops.train_step_flops(config.model, i, 1, 10)
+
+
+def test_folding_the_input_projection_halves_a_one_layer_step():
+    """One wide layer: the fold leaves the recurrent matmuls (3 of the 6 [H, G*H]-sized ones per token)."""
+    config = compose_config(["model.cell=lstm", "hidden_dim=1024"])
+    h, gh, tokens = 1024, 4096, 8192
+    folded = flops.step_flops(config.model, input_dim=2, output_dim=1, tokens=tokens).model
+    unfolded = tokens * 6 * (2 * h * gh)  # x_1 W_xh and h W_hh, each with its dX and dW
+    assert 0.49 < folded / unfolded < 0.51
 
 
 def test_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""The Elman layer against an independent NumPy loop; scanned stack == Python-loop stack."""
+"""The Elman layer and model against an independent NumPy loop; scanned stack == Python-loop stack."""
 
 import jax
 import jax.numpy as jnp
@@ -37,28 +37,51 @@ def test_elman_layer_matches_numpy_loop(activation, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_scanned_stack_equals_python_loop_stack():
+@pytest.mark.parametrize("num_layers", [1, 4])
+def test_scanned_stack_equals_python_loop_stack(num_layers):
     x = jax.random.normal(jax.random.key(1), (2, 9, 6))
-    loop = LayerStack(hidden_dim=6, num_layers=3, scan_layers=False)
-    scan = LayerStack(hidden_dim=6, num_layers=3, scan_layers=True)
+    loop = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=False)
+    scan = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=True)
     loop_params = loop.init(jax.random.key(2), x)["params"]
-    scan_params = stack_layer_params({"stack": loop_params}, 3)["stack"]
+    scan_params = stack_layer_params({"stack": loop_params}, num_layers)["stack"]
     want = loop.apply({"params": loop_params}, x)
     got = scan.apply({"params": scan_params}, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    # The layers really differ (split rngs), so the comparison is not trivially of one layer.
-    assert not np.allclose(loop_params["layer_0"]["W_xh"], loop_params["layer_1"]["W_xh"])
+    if num_layers > 1:  # the layers really differ, so the comparison is not trivially of one layer
+        assert not np.allclose(loop_params["layer_1"]["W_xh"], loop_params["layer_2"]["W_xh"])
 
 
 def test_scanned_params_are_stacked_on_a_leading_layer_axis():
     config = compose_config(["hidden_dim=16", "num_layers=4"])
     model = RecurrentModel(config.model, output_dim=1)
     params = model.init(jax.random.key(0), jnp.zeros((2, 5, 2)))["params"]
-    layers = params["stack"]["layers"]
-    assert layers["W_xh"].shape == (4, 16, 16) and layers["b"].shape == (4, 16)
-    assert layers["cell"]["W_hh"].shape == (4, 16, 16)
+    first, layers = params["stack"]["layer_0"], params["stack"]["layers"]
+    assert first["W_xh"].shape == (16, 16) and first["cell"]["W_hh"].shape == (16, 16)
+    assert layers["W_xh"].shape == (3, 16, 16) and layers["b"].shape == (3, 16)
+    assert layers["cell"]["W_hh"].shape == (3, 16, 16)
     assert params["input_proj"]["kernel"].shape == (2, 16) and params["readout"]["kernel"].shape == (16, 1)
     assert not np.allclose(layers["cell"]["W_hh"][0], layers["cell"]["W_hh"][1])
+
+
+@pytest.mark.parametrize("hidden_dim", [8, 2])  # input width 5: folded (5 < 2H) and not (5 >= 2H)
+@pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
+def test_model_is_projection_then_elman_stack_then_readout(hidden_dim, recurrence):
+    """The whole model against NumPy: x P + c, two Elman layers, the readout at every step,
+    however the first layer computes its input term (the projection folded into W_xh or not)."""
+    config = compose_config([f"hidden_dim={hidden_dim}", "num_layers=2", f"model.recurrence={recurrence}"])
+    model = RecurrentModel(config.model, output_dim=3)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 6, 5)).astype(np.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    params = jax.tree_util.tree_map(lambda p: jnp.asarray(rng.normal(size=p.shape, scale=0.5), p.dtype), params)
+    got = jax.jit(model.apply)({"params": params}, x)
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    h = x.astype(np.float64) @ p["input_proj"]["kernel"] + p["input_proj"]["bias"]
+    first, rest = p["stack"]["layer_0"], p["stack"]["layers"]
+    h = numpy_elman(h, first["W_xh"], first["cell"]["W_hh"], first["b"])
+    h = numpy_elman(h, rest["W_xh"][0], rest["cell"]["W_hh"][0], rest["b"][0])
+    want = h @ p["readout"]["kernel"] + p["readout"]["bias"]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_initializers():
@@ -76,5 +99,6 @@ def test_initializers():
 def test_init_choice_reaches_every_layer_of_the_stack():
     config = cfg.replace(compose_config(["num_layers=3", "hidden_dim=8"]), **{"model.init": "identity"})
     params = RecurrentModel(config.model, 1).init(jax.random.key(0), jnp.zeros((1, 4, 2)))["params"]
+    np.testing.assert_array_equal(np.asarray(params["stack"]["layer_0"]["cell"]["W_hh"]), np.eye(8))
     for w in params["stack"]["layers"]["cell"]["W_hh"]:
         np.testing.assert_array_equal(np.asarray(w), np.eye(8))

@@ -76,7 +76,8 @@ def test_model_summary_and_checkpoints_are_written(tiny_run):
     assert "RecurrentModel" in summary and "W_hh" in summary
     state = saved_state(workdir, 6)
     assert int(state["step"]) == 6
-    assert state["params"]["stack"]["layers"]["W_xh"].shape == (2, 8, 8)
+    assert state["params"]["stack"]["layer_0"]["W_xh"].shape == (8, 8)
+    assert state["params"]["stack"]["layers"]["W_xh"].shape == (1, 8, 8)  # layers 1 .. L-1
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [3, 6]
 
 
