@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from rnnlab.cells import ACTIVATIONS, CELLS, RecurrentWeights, initializers, per_gate  # noqa: F401  (re-exported)
 from rnnlab.config import ModelConfig
-from rnnlab.recurrence import recurrence
+from rnnlab.recurrence import linear, recurrence
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -117,7 +117,8 @@ class RecurrentLayer(nn.Module):
         if self.recurrence == "custom_vjp":
             w_hh, b_hn = RecurrentWeights(self.hidden_dim, self.cell, self.init_scheme, name="cell")()
             b_hn = None if b_hn is None else b_hn.astype(self.dtype)
-            hs = recurrence(self.cell, self.activation, self.unroll, x @ w_xh + b, w_hh.astype(self.dtype), b_hn)
+            u = linear(x, w_xh, b)
+            hs = recurrence(self.cell, self.activation, self.unroll, u, w_hh.astype(self.dtype), b_hn)
             return self._dropout(hs), None
         hoist = self.hoist_input
 
