@@ -36,11 +36,15 @@ backward pass (`StepFlops.recompute`); that is hardware work, not model FLOPs, a
 is left out of MFU as the convention asks. The count does not depend on
 `model.dtype`, `unroll`, `hoist_input` or `scan_layers`; the peak does (per dtype).
 
-Peak: `peak_flops(device, dtype)` reads the matmul FLOP/s that `scripts/peak_flops.py`
+Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
 default `~/.cache/rnnlab/`), or measures a quick one (an N=1024 matmul, about a
-second) and caches it. MFU = model FLOPs per second / (peak x devices); on CPU the
-simulated devices share one host, so the host's peak is used once.
+second) and caches it. A peak is per `PEAK_KINDS` entry, a dtype and a matmul precision:
+the model's float32 matmuls run at JAX's default precision, which is TF32 on NVIDIA
+GPUs since Ampere (and bf16 passes on TPU), so its MFU divides by the
+`float32_default` peak, not the full-float32 one (`model_peak_kind`); on CPU the two
+are the same. MFU = model FLOPs per second / (peak x devices); on CPU the simulated
+devices share one host, so the host's peak is used once.
 """
 
 from __future__ import annotations
@@ -166,6 +170,20 @@ def xla_flops(compiled: Any) -> float:
 
 QUICK_N = 1024  # matmul size of the quick measurement training does when nothing is cached
 
+# Peak kinds: (dtype, matmul precision). float32 is full float32 (precision=HIGHEST);
+# float32_default is what jnp.matmul does with float32 by default, and so what the model
+# runs: TF32 on NVIDIA GPUs since Ampere, bf16 passes on TPU, full float32 on CPU.
+PEAK_KINDS = {
+    "float32": ("float32", "highest"),
+    "float32_default": ("float32", "default"),
+    "bfloat16": ("bfloat16", "default"),
+}
+
+
+def model_peak_kind(dtype: str) -> str:
+    """The peak kind a model computing in `dtype` (model.dtype) runs its matmuls at."""
+    return "float32_default" if dtype == "float32" else dtype
+
 
 def cache_path() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -194,31 +212,30 @@ def load_peaks() -> dict:
         return {}
 
 
-def save_peak(device: Any, dtype: str, peak: float, source: str, **extra: Any) -> None:
-    """Record `peak` FLOP/s for this device kind and dtype (atomic write; other entries kept)."""
+def save_peak(device: Any, kind: str, peak: float, source: str, **extra: Any) -> None:
+    """Record `peak` FLOP/s for this device kind and `PEAK_KINDS` kind (atomic write; other entries kept)."""
     path = cache_path()
     peaks = load_peaks()
     entry = {"flops_per_sec": peak, "source": source, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
-    peaks.setdefault(device_key(device), {})[dtype] = entry
+    peaks.setdefault(device_key(device), {})[kind] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(peaks, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 
 
-def measure_matmul_flops(n: int, dtype: str, device: Any = None, repeats: int = 10, min_seconds: float = 0.05) -> float:
-    """FLOP/s of an [n, n] x [n, n] matmul on `device`: median over `repeats` timed runs.
-
-    float32 runs at `precision=HIGHEST` (no TF32/bf16 passes), bfloat16 at default precision.
-    Each run calls the compiled matmul enough times to take about `min_seconds`, ending on
-    `block_until_ready`.
+def measure_matmul_flops(n: int, kind: str, device: Any = None, repeats: int = 10, min_seconds: float = 0.05) -> float:
+    """FLOP/s of an [n, n] x [n, n] matmul of a `PEAK_KINDS` kind on `device`: median over
+    `repeats` timed runs. Each run calls the compiled matmul enough times to take about
+    `min_seconds`, ending on `block_until_ready`.
     """
     import jax
     import jax.numpy as jnp
 
     device = device or jax.devices()[0]
+    dtype, precision = PEAK_KINDS[kind]
     jdtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[dtype]
-    precision = jax.lax.Precision.HIGHEST if dtype == "float32" else jax.lax.Precision.DEFAULT
+    precision = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}[precision]
     k1, k2 = jax.random.split(jax.random.key(0))
     a = jax.device_put(jax.random.normal(k1, (n, n), jdtype), device)
     b = jax.device_put(jax.random.normal(k2, (n, n), jdtype), device)
@@ -237,16 +254,20 @@ def measure_matmul_flops(n: int, dtype: str, device: Any = None, repeats: int = 
     return 2.0 * n**3 / statistics.median(times)
 
 
-def peak_flops(device: Any, dtype: str = "float32", measure: bool = True) -> float | None:
-    """Cached peak matmul FLOP/s of this device kind and dtype; if none, a quick measurement (cached)."""
-    entry = load_peaks().get(device_key(device), {}).get(dtype)
+def peak_flops(device: Any, kind: str = "float32", measure: bool = True) -> float | None:
+    """Cached peak matmul FLOP/s of this device kind and `PEAK_KINDS` kind; if none, a quick
+    measurement (cached). On CPU float32_default is float32 (the same matmul)."""
+    entries = load_peaks().get(device_key(device), {})
+    entry = entries.get(kind)
+    if not entry and kind == "float32_default" and device.platform == "cpu":
+        kind, entry = "float32", entries.get("float32")
     if entry:
         return float(entry["flops_per_sec"])
     if not measure:
         return None
-    peak = measure_matmul_flops(QUICK_N, dtype, device, repeats=5, min_seconds=0.05)
+    peak = measure_matmul_flops(QUICK_N, kind, device, repeats=5, min_seconds=0.05)
     try:
-        save_peak(device, dtype, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)", n=QUICK_N)
+        save_peak(device, kind, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)", n=QUICK_N)
     except OSError:
         pass  # a read-only home still gets its MFU, just without the cache
     return peak

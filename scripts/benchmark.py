@@ -21,8 +21,9 @@ without torch that column is skipped, and the script says so) and in
 warmed up, then the three are timed in turn within every repeat (so a change in machine
 load hits them alike) and the median per-step time is kept. Ratios are the other
 framework's step time over rnnlab's: above 1 means rnnlab is faster. GFLOP/s and MFU
-use rnnlab's analytic model FLOPs (rnnlab/flops.py) and the float32 peak cached by
-scripts/peak_flops.py (measured quickly if none is cached).
+use rnnlab's analytic model FLOPs (rnnlab/flops.py) and the peak cached by
+scripts/peak_flops.py for float32 at JAX's default matmul precision, which the model
+runs at (TF32 on NVIDIA GPUs; full float32 on CPU), measured quickly if none is cached.
 """
 
 from __future__ import annotations
@@ -273,8 +274,7 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
     print(f"training loop vs bare step: {args.loop} steps, log_every/eval_every/checkpoint.every at their "
           f"defaults (100/500/500) | load {load():.2f}")
     for cell in args.cells:
-        for i in args.rows:
-            h, b, t, layers = GRID[i]
+        for h, b, t, layers in args.shapes:
             n = default_device_count(b)
             config = compose(cell, h, b, t, layers, [*args.override, f"steps={args.loop}", f"device.num_devices={n}"])
             step = RnnlabStep(config, n)
@@ -300,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=list(cfg.CELLS), choices=cfg.CELLS)
     parser.add_argument("--rows", nargs="+", type=int, default=list(range(len(GRID))), help=f"indices into {GRID}")
+    parser.add_argument("--shapes", nargs="+", metavar="H,B,T,L", help="time these shapes instead of --rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per framework (median kept)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="each repeat runs enough steps to last about this")
     parser.add_argument("--override", nargs="*", default=[], help="extra rnnlab config overrides, e.g. model.unroll=4")
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile-row", type=int, default=1, help="grid row whose shape --compile-layers uses")
     parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
     args = parser.parse_args(argv)
+    args.shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else [GRID[i] for i in args.rows]
 
     if args.compile_layers:
         out = {"compile_vs_layers": compile_vs_layers(args)}
@@ -338,24 +340,24 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:
         torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'
     device = jax.devices()[0]
-    peak = flops.peak_flops(device, "float32")
+    peak = flops.peak_flops(device, flops.model_peak_kind("float32"))
     if args.loop:
         out = {"loop_vs_step": loop_vs_step(args, peak)}
         args.json.write_text(json.dumps(out, indent=2) + "\n")
         return out
     print(f"device {flops.device_key(device)} | jax {jax.__version__} | {torch_note} | "
-          f"float32 peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
+          f"float32 (default precision) peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
     header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'dev':>3} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
               f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}"
               + "".join(f" {f'{n} dev ms':>9} {'main is':>8}" for n in args.devices)
               + "".join(f" | {v}: ms, rnnlab (per-core count) is" for v in args.variant))
     print(header)
     # Every config composed (and validated) before anything is timed.
-    configs = {(cell, i): compose(cell, *GRID[i], args.override) for cell in args.cells for i in args.rows}
+    configs = {(cell, shape): compose(cell, *shape, args.override) for cell in args.cells for shape in args.shapes}
     out = {"device": flops.device_key(device), "jax": jax.__version__, "torch": torch_note,
-           "peak_flops_float32": peak, "command": " ".join(sys.argv), "results": []}
-    for (cell, i), config in configs.items():
-        r = bench_row(cell, GRID[i], config, args, peak, torch_ok)
+           "peak_flops_float32_default": peak, "command": " ".join(sys.argv), "results": []}
+    for (cell, shape), config in configs.items():
+        r = bench_row(cell, shape, config, args, peak, torch_ok)
         out["results"].append(r)
         args.json.write_text(json.dumps(out, indent=2) + "\n")  # after every row: a partial run keeps its rows
         print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['devices']:>3} {r['step_ms']:9.2f} "

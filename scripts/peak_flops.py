@@ -1,13 +1,16 @@
 """Measure this device's achievable matmul FLOP/s and cache the peak for rnnlab's MFU.
 
-    python scripts/peak_flops.py                       # N = 256 .. 4096, float32 (HIGHEST) and bfloat16
+    python scripts/peak_flops.py                       # N = 256 .. 4096: float32 (HIGHEST), float32 at default precision, bfloat16
     python scripts/peak_flops.py --sizes 512 1024 --repeats 5 --no-save
 
 Each entry is the median of `--repeats` timed runs of a jitted [N, N] x [N, N] matmul
-(each run ends on block_until_ready); float32 uses precision=HIGHEST. The largest value
-per dtype is saved as that dtype's peak under $XDG_CACHE_HOME/rnnlab/peak_flops.json
-(default ~/.cache/rnnlab/), keyed by device kind; training reads it to report
-perf/mfu. Takes about a minute on a 2-core CPU (N=4096 in float32 is ~2 s a run).
+(each run ends on block_until_ready). Columns are `rnnlab.flops.PEAK_KINDS`: float32 at
+precision=HIGHEST, float32 at JAX's default precision (what the model's matmuls run at:
+TF32 on NVIDIA GPUs since Ampere; on CPU it is the float32 matmul itself, so it is not
+measured twice there), and bfloat16. The largest value per kind is saved as that kind's
+peak under $XDG_CACHE_HOME/rnnlab/peak_flops.json (default ~/.cache/rnnlab/), keyed by
+device kind; training reads it to report perf/mfu. Takes about a minute on a 2-core CPU
+(N=4096 in float32 is ~2 s a run).
 """
 
 from __future__ import annotations
@@ -25,13 +28,14 @@ import jax  # noqa: E402
 from rnnlab import flops  # noqa: E402
 
 SIZES = (256, 512, 1024, 2048, 4096)
-DTYPES = ("float32", "bfloat16")
+KINDS = tuple(flops.PEAK_KINDS)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="matrix sizes N")
-    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--kinds", nargs="+", choices=KINDS,
+                        help="peak kinds to measure (default: all; on CPU float32_default is float32, not measured twice)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs per entry (the median is kept)")
     parser.add_argument("--min-seconds", type=float, default=0.2, help="each timed run repeats the matmul this long")
     parser.add_argument("--no-save", action="store_true", help="print only; leave the cache alone")
@@ -39,25 +43,26 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     device = jax.devices()[0]
+    kinds = args.kinds or [k for k in KINDS if not (device.platform == "cpu" and k == "float32_default")]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"device: {flops.device_key(device)} | load average {load:.2f} | median of {args.repeats}")
-    print(f"{'N':>6} " + " ".join(f"{d + ' GFLOP/s':>18}" for d in args.dtypes))
-    table: dict[str, dict[int, float]] = {d: {} for d in args.dtypes}
+    print(f"{'N':>6} " + " ".join(f"{k + ' GFLOP/s':>26}" for k in kinds))
+    table: dict[str, dict[int, float]] = {k: {} for k in kinds}
     for n in args.sizes:
         row = []
-        for dtype in args.dtypes:
-            rate = flops.measure_matmul_flops(n, dtype, device, repeats=args.repeats, min_seconds=args.min_seconds)
-            table[dtype][n] = rate
-            row.append(f"{rate / 1e9:18.1f}")
+        for kind in kinds:
+            rate = flops.measure_matmul_flops(n, kind, device, repeats=args.repeats, min_seconds=args.min_seconds)
+            table[kind][n] = rate
+            row.append(f"{rate / 1e9:26.1f}")
         print(f"{n:>6} " + " ".join(row), flush=True)
 
     result = {"device": flops.device_key(device), "load_average": load, "repeats": args.repeats, "table": table, "peak": {}}
-    for dtype, rates in table.items():
+    for kind, rates in table.items():
         n_best = max(rates, key=rates.get)
-        result["peak"][dtype] = rates[n_best]
-        print(f"peak {dtype}: {rates[n_best] / 1e9:.1f} GFLOP/s at N={n_best}")
+        result["peak"][kind] = rates[n_best]
+        print(f"peak {kind}: {rates[n_best] / 1e9:.1f} GFLOP/s at N={n_best}")
         if not args.no_save:
-            flops.save_peak(device, dtype, rates[n_best], source="scripts/peak_flops.py", n=n_best, load_average=load)
+            flops.save_peak(device, kind, rates[n_best], source="scripts/peak_flops.py", n=n_best, load_average=load)
     if not args.no_save:
         print(f"saved to {flops.cache_path()}")
     if args.json:

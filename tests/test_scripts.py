@@ -1,0 +1,84 @@
+"""scripts/peak_flops.py and scripts/benchmark.py run and write what they say, on tiny shapes."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, train_env
+from rnnlab import flops
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_peak_script_measures_each_kind_and_caches_the_best(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    out = load_script("peak_flops").main(
+        ["--sizes", "32", "64", "--repeats", "1", "--min-seconds", "0.001", "--json", str(tmp_path / "peak.json")]
+    )
+    assert set(out["table"]) == {"float32", "bfloat16"}  # on CPU float32_default is float32: not measured twice
+    for kind, rates in out["table"].items():
+        assert set(rates) == {32, 64} and min(rates.values()) > 0
+        assert out["peak"][kind] == max(rates.values())
+    cpu = jax.devices("cpu")[0]
+    assert flops.peak_flops(cpu, "float32", measure=False) == out["peak"]["float32"]
+    assert flops.peak_flops(cpu, "float32_default", measure=False) == out["peak"]["float32"]
+    assert json.loads((tmp_path / "peak.json").read_text())["peak"]["bfloat16"] == out["peak"]["bfloat16"]
+
+
+def test_float32_models_divide_by_the_default_precision_peak(tmp_path, monkeypatch):
+    """JAX's default float32 matmul is TF32 on NVIDIA GPUs: a float32 model's MFU uses that peak."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert flops.model_peak_kind("float32") == "float32_default" and flops.model_peak_kind("bfloat16") == "bfloat16"
+    cpu = jax.devices("cpu")[0]
+    flops.save_peak(cpu, "float32", 3.0e9, source="test")
+    assert flops.peak_flops(cpu, "float32_default", measure=False) == 3.0e9  # the same matmul on CPU
+    flops.save_peak(cpu, "float32_default", 4.0e9, source="test")
+    assert flops.peak_flops(cpu, "float32_default", measure=False) == 4.0e9
+
+
+def test_benchmark_gives_every_framework_the_whole_batch():
+    """rnnlab's step runs on 2 devices, each with half the batch; torch and flax get all of it."""
+    benchmark = load_script("benchmark")
+    config = benchmark.compose("gru", 8, 4, 6, 1)
+    step = benchmark.RnnlabStep(config, num_devices=2)
+    assert step.batch.inputs.shape == (2, 2, 6, 2)
+    whole = step.global_batch()
+    assert whole.inputs.shape == (4, 6, 2) and whole.targets.shape == (4,)
+    np.testing.assert_array_equal(whole.inputs[2:], np.asarray(step.batch.inputs[1]))
+    flax_step = benchmark.FlaxStep("gru", 8, 4, 6, 1, whole)
+    flax_step(2)  # compiles and runs on the [4, 6, 2] batch
+
+
+@pytest.mark.slow
+def test_benchmark_prints_a_row_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--cells", "lstm", "--shapes", "8,4,6,2",
+         "--repeats", "2", "--min-seconds", "0.01", "--devices", "1", "2", "--json", str(out)],
+        cwd=tmp_path, env=train_env({"RNNLAB_MAX_CPU_DEVICES": "2"}), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (row,) = result["results"]
+    assert (row["cell"], row["hidden"], row["batch"], row["time"], row["layers"]) == ("lstm", 8, 4, 6, 2)
+    assert row["step_ms"] > 0 and row["flax_step_ms"] > 0 and row["devices"] in (1, 2)
+    assert set(row["step_ms_by_devices"]) == {"1", "2"}  # JSON keys; the main column is the faster count
+    assert row["step_ms"] == pytest.approx(min(v for v in row["step_ms_by_devices"].values() if v))
+    assert row["flops_per_step"] == flops.train_step_flops(
+        benchmark_config("lstm", 8, 4, 6, 2).model, 2, 1, 4 * 6
+    )
+    assert "lstm" in proc.stdout and "wrote" in proc.stdout
+
+
+def benchmark_config(cell, h, b, t, layers):
+    return load_script("benchmark").compose(cell, h, b, t, layers)
