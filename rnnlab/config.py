@@ -49,7 +49,7 @@ class ModelConfig:
     recurrence: str
     remat: bool
     dtype: str
-    unroll: int
+    unroll: Optional[int]  # None: per platform (rnnlab.models.default_unroll)
     dropout: float
 
 
@@ -260,7 +260,8 @@ def validate(c: Config) -> None:
     if m.recurrence == "custom_vjp" and m.remat:
         raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
                           "(the custom_vjp backward keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
-    _positive("model.unroll", m.unroll)
+    if m.unroll is not None:
+        _positive("model.unroll", m.unroll)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
 

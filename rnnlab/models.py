@@ -34,6 +34,17 @@ from rnnlab.recurrence import linear, recurrence
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def default_unroll(platform: str) -> int:
+    """`model.unroll=null`: time steps per iteration of the time scans' loops on `platform`.
+
+    On CPU unrolling gained nothing (2 and 4 were up to 1.2x slower in
+    scripts/benchmark.py). On a GPU every loop iteration has a fixed cost beyond its
+    kernels' work, and 8 steps an iteration made the benchmark's train steps 1.2-4.3x
+    faster on an H100 (README). TPUs are untested and get the GPU's setting.
+    """
+    return 1 if platform == "cpu" else 8
+
+
 def folds_projection(input_dim: int, hidden_dim: int) -> bool:
     """Whether the first layer folds the input projection into its input weights.
 
@@ -209,7 +220,8 @@ class RecurrentModel(nn.Module):
         dtype = DTYPES[c.dtype]
         layer_options = (
             ("cell", c.cell), ("forget_bias", c.forget_bias), ("hoist_input", c.hoist_input), ("recurrence", c.recurrence),
-            ("remat", c.remat), ("unroll", c.unroll), ("dtype", dtype), ("dropout", c.dropout),
+            ("remat", c.remat), ("unroll", c.unroll or default_unroll(jax.default_backend())),
+            ("dtype", dtype), ("dropout", c.dropout),
             ("deterministic", not train),
         )
         x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I]: the stack runs time-major throughout

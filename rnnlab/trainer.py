@@ -294,7 +294,7 @@ class _Run:
         self.writer.write_scalars(step, {f"train/{k}": v for k, v in metrics.items()} | perf)
         self.last_train = metrics
         rate = f" | {perf['perf/tokens_per_sec']:,.0f} tokens/s" if perf else " | compiling step excluded"
-        rate += f" | mfu {perf['perf/mfu']:.1%}" if perf.get("perf/mfu") else ""
+        rate += f" | mfu {100 * perf['perf/mfu']:.3g}%" if perf.get("perf/mfu") else ""
         log.info(
             "step %d/%d | loss %.4f | %s %.4f | grad_norm %.3f | lr %.2e%s",
             step, self.config.steps, metrics["loss"], self.task.metric_name, metrics[self.task.metric_name],

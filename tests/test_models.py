@@ -7,7 +7,7 @@ import pytest
 
 from conftest import compose_config
 from rnnlab import config as cfg
-from rnnlab.models import LayerStack, RecurrentLayer, RecurrentModel, initializers, stack_layer_params
+from rnnlab.models import LayerStack, RecurrentLayer, RecurrentModel, default_unroll, initializers, stack_layer_params
 
 
 def numpy_elman(x, w_xh, w_hh, b, act=np.tanh):
@@ -102,3 +102,8 @@ def test_init_choice_reaches_every_layer_of_the_stack():
     np.testing.assert_array_equal(np.asarray(params["stack"]["layer_0"]["cell"]["W_hh"]), np.eye(8))
     for w in params["stack"]["layers"]["cell"]["W_hh"]:
         np.testing.assert_array_equal(np.asarray(w), np.eye(8))
+
+
+def test_unroll_null_is_chosen_per_platform():
+    assert compose_config([]).model.unroll is None
+    assert default_unroll("cpu") == 1 and default_unroll("gpu") == 8 and default_unroll("tpu") == 8
