@@ -227,10 +227,14 @@ def replicate(tree: Any, devices: Sequence[jax.Device]) -> Any:
 def unreplicate_to_host(tree: Any) -> Any:
     """The first device's copy as NumPy arrays (leaves lose the leading device axis).
 
-    Reads one shard per leaf: no device computation, so nothing new is compiled.
+    Reads one shard per leaf, every copy started before any is waited for (jax.device_get):
+    no device computation, so nothing new is compiled.
     """
-    return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data)[0], tree)
+    return jax.tree_util.tree_map(lambda x: x[0], _first_shards_to_host(tree))
 
+
+def _first_shards_to_host(tree: Any) -> Any:
+    return jax.device_get(jax.tree_util.tree_map(lambda x: x.addressable_shards[0].data, tree))
 
 
 REPLICATED, SHARDED = "replicated", "sharded"  # the layouts a DataParallel function's arguments take
@@ -283,7 +287,7 @@ class DataParallel:
         """Replicated layout -> NumPy values (one device's copy; no computation, nothing compiled)."""
         if self.strategy == "pmap":
             return unreplicate_to_host(tree)
-        return jax.tree_util.tree_map(lambda x: np.asarray(x.addressable_shards[0].data), tree)
+        return _first_shards_to_host(tree)
 
     def host_scalar(self, value: int) -> np.ndarray:
         """An int32 argument in the replicated layout, as host data."""

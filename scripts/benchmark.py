@@ -67,7 +67,7 @@ def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = (
     overrides = [
         f"model.cell={cell}", f"hidden_dim={h}", f"batch_size={b}", f"num_layers={layers}", "data=adding",
         f"data.seq_len={t}", "optimizer=adam", f"optimizer.lr={LR}", "optimizer.clip_norm=0",
-        "optimizer.schedule=constant", "optimizer.warmup_steps=0", "device=cpu", "device.num_devices=1", *extra,
+        "optimizer.schedule=constant", "optimizer.warmup_steps=0", "device.num_devices=1", *extra,
     ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=overrides))

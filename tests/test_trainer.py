@@ -12,7 +12,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import assert_same_tree, compose_config, saved_state, tiny_config
 from rnnlab import data, parallel
 from rnnlab.models import RecurrentModel
-from rnnlab.trainer import create_train_state, make_optimizer, pmap_sampler, train_and_evaluate, train_step
+from rnnlab.trainer import (
+    create_train_state, make_optimizer, pmap_sampler, train_and_evaluate, train_metric_names, train_step,
+)
 
 RESULT_KEYS = {
     "status", "step", "train_loss", "eval_loss", "eval_metric", "baseline_loss", "num_params", "num_devices",
@@ -40,6 +42,21 @@ def test_one_train_step_changes_every_parameter():
     unchanged = [jax.tree_util.keystr(p) for (p, a), b in zip(before, after) if np.array_equal(np.asarray(a), b)]
     assert not unchanged, f"parameters not updated: {unchanged}"
     assert np.isfinite(float(metrics["loss"][0]))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+@pytest.mark.parametrize("task_name", ["adding", "copy"])
+def test_the_loop_stacks_exactly_the_metrics_train_step_returns(skip, task_name):
+    config = tiny_config(f"data={task_name}", "data.seq_len=12")
+    task = data.make_task(config.data)
+    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    model = RecurrentModel(config.model, task.output_dim)
+    example = jax.ShapeDtypeStruct((2, task.total_len, task.input_dim), jnp.float32)
+    state = jax.eval_shape(lambda x: create_train_state(jax.random.key(0), model, x, tx), example)
+    batch = jax.eval_shape(lambda: data.sample_batch(task, data.stream_key(0, 0), 0, 0, 2))
+    step = jax.vmap(lambda s, b: train_step(s, b, task, schedule, skip), axis_name=parallel.AXIS, axis_size=1, in_axes=None)
+    _, metrics = jax.eval_shape(step, state, batch)
+    assert sorted(metrics) == sorted(train_metric_names(task, skip))
 
 
 @pytest.fixture(scope="module")
