@@ -32,6 +32,12 @@ STRUCTURAL_KEYS = (
     "data.task",
     "optimizer.name",
 )
+# The parameter layout the checkpoints of a run dir hold, recorded in its run config. Layout 2:
+# layer 0 apart (`stack/layer_0`), layers 1 .. L-1 stacked [L-1, ...]. Run dirs without the
+# key were written by an earlier rnnlab with all L layers stacked under `stack/layers` when
+# model.scan_layers was true (layout 1); they are refused by name rather than left to fail
+# every restore as unreadable.
+PARAM_LAYOUT_KEY, PARAM_LAYOUT = "rnnlab.param_layout", 2
 
 
 class CheckpointError(RuntimeError):
@@ -66,6 +72,13 @@ class Checkpointer:
         if not path.exists():
             return
         saved = json.loads(path.read_text())
+        layout = saved.get(PARAM_LAYOUT_KEY, 1)
+        if layout != PARAM_LAYOUT and saved.get("model.scan_layers", True):
+            raise ConfigError(
+                f"key 'hydra.run.dir': the checkpoints in {self.directory} hold parameter layout {layout} (an earlier "
+                f"rnnlab, all layers stacked under stack/layers), this version reads layout {PARAM_LAYOUT} (layer 0 "
+                f"apart); resume it with the version that wrote it, or train in a new hydra.run.dir"
+            )
         for key in STRUCTURAL_KEYS:
             if key in saved and saved[key] != flat_config.get(key):
                 raise ConfigError(
@@ -82,9 +95,10 @@ class Checkpointer:
             return {}
 
     def write_run_config(self, flat_config: Mapping[str, Any]) -> None:
+        """Record the config (and the parameter layout) that this run dir's checkpoints are trained with."""
         path = self.directory / RUN_CONFIG_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(flat_config), indent=2, sort_keys=True))
+        tmp.write_text(json.dumps({**flat_config, PARAM_LAYOUT_KEY: PARAM_LAYOUT}, indent=2, sort_keys=True))
         tmp.replace(path)
 
     def restore_latest(self, target: Any) -> tuple[Any, int] | None:

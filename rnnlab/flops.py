@@ -34,7 +34,7 @@ count at H=128, B*T=128 (more for LSTM, whose gates do the most elementwise work
 10-30% above it at H=32. `model.remat=true` recomputes each step's forward in the
 backward pass (`StepFlops.recompute`); that is hardware work, not model FLOPs, and
 is left out of MFU as the convention asks. The count does not depend on
-`model.dtype`, `unroll`, `hoist_input` or `scan_layers`; the peak does (per dtype).
+`model.dtype`, `unroll`, `hoist_input` or `scan_layers`; the peak does (per kind: dtype and precision).
 
 Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
@@ -108,10 +108,6 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int)
     in_scan_input = 0 if model.hoist_input else first_input + (layers - 1) * matmul
     recompute = layers * matmul + in_scan_input if model.remat else 0
     return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
-
-
-def forward_flops_per_token(model: ModelConfig, input_dim: int, output_dim: int) -> int:
-    return step_flops(model, input_dim, output_dim, 1).forward
 
 
 def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int) -> int:

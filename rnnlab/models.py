@@ -39,8 +39,9 @@ def default_unroll(platform: str) -> int:
 
     On CPU unrolling gained nothing (2 and 4 were up to 1.2x slower in
     scripts/benchmark.py). On a GPU every loop iteration has a fixed cost beyond its
-    kernels' work, and 8 steps an iteration made the benchmark's train steps 1.2-4.3x
-    faster on an H100 (README). TPUs are untested and get the GPU's setting.
+    kernels' work, and 8 steps an iteration made the benchmark's train steps 1.2-4.2x
+    faster than 1 on an H100, and 16 within 0.92-1.09x of 8 (README). TPUs are
+    untested and get the GPU's setting.
     """
     return 1 if platform == "cpu" else 8
 
@@ -51,9 +52,12 @@ def folds_projection(input_dim: int, hidden_dim: int) -> bool:
     The projection is linear and nothing stands between it and the first layer's
     input matmul, so `(x P + c) W_xh + b = x (P W_xh) + (c W_xh + b)`. Per token the
     folded form costs one [I, G*H] matmul forward and one backward (the gradient of
-    `P W_xh`; x is data), against [I, H] + [H, G*H] forward and three [H, G*H]-sized
-    ones backward; the fold's own products (`P W_xh`, their gradients) are per step,
-    not per token. It is cheaper whenever I < 2H: the tasks here have I = 2 or 10.
+    `P W_xh`; x is data), against [I, H] + [H, G*H] forward and [I, H] + two
+    [H, G*H]-sized ones backward; the fold's own products (`P W_xh`, their gradients)
+    are per step, not per token. Per token that is 2 I G H against 2 I H + 3 G H^2
+    multiply-adds: folding is cheaper whenever I < 3GH / (2(G - 1)), always for the
+    Elman cell, and the rule here, I < 2H, is within that bound for every cell (the
+    tasks here have I = 2 or 10).
     """
     return input_dim < 2 * hidden_dim
 

@@ -27,7 +27,7 @@ from rnnlab import config as cfg
 from rnnlab import data, flops, parallel
 from rnnlab.checkpoint import Checkpointer, PreemptionGuard
 from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none, write_results
-from rnnlab.models import RecurrentModel, count_params, summary_table
+from rnnlab.models import RecurrentModel, count_params, default_unroll, summary_table
 from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
 
@@ -263,7 +263,7 @@ class _Run:
         """The stacked metrics of `_p_train_step`'s steps (replicated layout) -> one dict of host
         floats per step. A host sync; the copies all start at once."""
         names = train_metric_names(self.task, self.config.on_nonfinite == "skip")
-        return [dict(zip(names, map(float, row))) for row in self.dp.to_host(pending)]
+        return [dict(zip(names, map(float, row), strict=True)) for row in self.dp.to_host(pending)]
 
     def check_finite(self, step: int, rows: list[dict[str, float]]) -> dict[str, float]:
         """Mean of the per-step host metrics `rows` of the window of steps ending at `step`.
@@ -380,7 +380,9 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         )
     checkpointer.check_compatible(flat_config)
 
-    model = RecurrentModel(config.model, task.output_dim)
+    # model.unroll=null: chosen for the platform this run trains on (JAX's default backend may be another).
+    model_config = dataclasses.replace(config.model, unroll=config.model.unroll or default_unroll(devices[0].platform))
+    model = RecurrentModel(model_config, task.output_dim)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
     device_note = ""

@@ -37,7 +37,7 @@ def test_elman_layer_matches_numpy_loop(activation, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_layers", [1, 4])
+@pytest.mark.parametrize("num_layers", [2, 4])
 def test_scanned_stack_equals_python_loop_stack(num_layers):
     x = jax.random.normal(jax.random.key(1), (2, 9, 6))
     loop = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=False)
@@ -47,8 +47,8 @@ def test_scanned_stack_equals_python_loop_stack(num_layers):
     want = loop.apply({"params": loop_params}, x)
     got = scan.apply({"params": scan_params}, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    if num_layers > 1:  # the layers really differ, so the comparison is not trivially of one layer
-        assert not np.allclose(loop_params["layer_1"]["W_xh"], loop_params["layer_2"]["W_xh"])
+    # The layers really differ, so the comparison is not trivially of one layer.
+    assert not np.allclose(loop_params["layer_0"]["W_xh"], loop_params["layer_1"]["W_xh"])
 
 
 def test_scanned_params_are_stacked_on_a_leading_layer_axis():

@@ -59,6 +59,21 @@ def test_the_loop_stacks_exactly_the_metrics_train_step_returns(skip, task_name)
     assert sorted(metrics) == sorted(train_metric_names(task, skip))
 
 
+def test_a_run_dir_from_the_earlier_parameter_layout_is_refused_by_name(tmp_path):
+    """Run dirs written before layer 0 stood apart (all layers stacked) cannot restore: say so
+    before any restore is tried, instead of renaming every checkpoint as unreadable."""
+    from rnnlab.config import ConfigError, flatten
+
+    config = tiny_config()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "run_config.json").write_text(json.dumps(flatten(config)))  # no layout key
+    with pytest.raises(ConfigError, match="parameter layout 1"):
+        train_and_evaluate(config, tmp_path)
+    old_loop = flatten(tiny_config("model.scan_layers=false"))  # the loop layout did not change
+    (tmp_path / "checkpoints" / "run_config.json").write_text(json.dumps(old_loop))
+    assert train_and_evaluate(tiny_config("model.scan_layers=false"), tmp_path)["status"] == "completed"
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
