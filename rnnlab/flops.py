@@ -60,6 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from rnnlab import models
 from rnnlab.config import ModelConfig
 
 # Gate count per cell: the width of W_xh and W_hh is G*H (rnnlab/cells.py, PyTorch's order).
@@ -87,12 +88,10 @@ class StepFlops:
 
 def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
-    from rnnlab.models import folds_projection
-
     h, gh, layers = model.hidden_dim, NUM_GATES[model.cell] * model.hidden_dim, model.num_layers
     matmul = 2 * h * gh  # one [H, G*H] weight applied to one token
     readout = 2 * h * output_dim
-    if folds_projection(input_dim, h):
+    if models.folds_projection(input_dim, h):
         first_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
         forward = first_input + layers * matmul + (layers - 1) * matmul + readout
         backward = 2 * forward - first_input

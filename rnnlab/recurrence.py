@@ -43,7 +43,8 @@ def weight_grad(x: jax.Array, dy: jax.Array) -> jax.Array:
     transpose back into the dot): a copy of the narrower operand, then a plain
     [K, T*B] x [T*B, N] matmul (291 against 341 ms at K=1024, N=4096). Where K >= N,
     XLA's own form measured faster (the Elman cell's dW_hh, K = N: 162 against 192 ms a
-    step at H=256, L=2).
+    step at H=256, L=2). These are CPU measurements; the H100 figures in the README were
+    taken with this form too, but it was not compared with XLA's there.
     """
     x, dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
     if x.shape[-1] >= dy.shape[-1]:  # dy is no wider: XLA's own choice (measured faster for the Elman cell's K = N)

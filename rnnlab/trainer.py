@@ -410,6 +410,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     num_params = count_params(state.params)
 
     tokens_per_step = config.batch_size * task.total_len
+    # The peak of the devices this run trains on (with device=cpu on a GPU machine, not JAX's default backend's).
+    local_device = next(d for d in devices if d.process_index == jax.process_index())
     dp = parallel.DataParallel(devices, config.device.strategy)
     replicated, sharded = parallel.REPLICATED, parallel.SHARDED
     run = _Run(
@@ -425,7 +427,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         writer=MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None, enabled=primary),
         tokens_per_step=tokens_per_step,
         flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
-        peak_flops=flops.peak_flops(jax.local_devices()[0], flops.model_peak_kind(config.model.dtype)),  # cached, else ~1 s
+        peak_flops=flops.peak_flops(local_device, flops.model_peak_kind(config.model.dtype)),  # cached, else ~1 s
         profiler=StepProfiler(config.profile, workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
     )
