@@ -25,6 +25,8 @@ PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 STRATEGIES = ("pmap", "shard_map")
 
 NONFINITE_POLICIES = ("stop", "skip")
+# Train steps one dispatch may run: the loop never has more than 16 steps queued (trainer.MAX_STEPS_IN_FLIGHT).
+MAX_STEPS_PER_DISPATCH = 16
 
 # Shortest `seq_len` per task: adding needs room for its two markers; the copy task's
 # delay must be longer than the 10 symbols it recalls.
@@ -78,6 +80,7 @@ class DeviceConfig:
     platform: str
     num_devices: Optional[int]
     strategy: str
+    steps_per_dispatch: Optional[int]  # None: per platform (rnnlab.trainer.default_steps_per_dispatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +298,9 @@ def validate(c: Config) -> None:
     _choice("device.strategy", c.device.strategy, STRATEGIES)
     if c.device.num_devices is not None:
         _positive("device.num_devices", c.device.num_devices)
+    k = c.device.steps_per_dispatch
+    if k is not None and not 1 <= k <= MAX_STEPS_PER_DISPATCH:
+        raise ConfigError(f"key 'device.steps_per_dispatch': got {k}, allowed: null or 1 .. {MAX_STEPS_PER_DISPATCH}")
 
     _non_negative("checkpoint.every", c.checkpoint.every)
     _positive("checkpoint.keep", c.checkpoint.keep)

@@ -34,8 +34,9 @@ from rnnlab.progress import ProgressBar
 log = logging.getLogger(__name__)
 
 # pmap over simulated CPU devices aborts (all-reduce timeout) with ~50 steps queued
-# without a host sync; a sync at least this often keeps the queue short on every backend.
+# without a host sync; the loop never queues more than this many, on every backend.
 MAX_STEPS_IN_FLIGHT = 16
+assert cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
 DEVICES_USED_KEY = "device.num_devices_used"  # in checkpoints/run_config.json: what a resumed run keeps
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
@@ -149,35 +150,70 @@ def pmap_sampler(task: data.Task, stream: jax.Array, per_device: int, devices: l
 
 
 def train_metric_names(task: data.Task, skip_nonfinite: bool) -> tuple[str, ...]:
-    """The keys of `train_step`'s metrics, in the order `_p_train_step` stacks them."""
+    """The keys of `train_step`'s metrics, in the order `_p_train_steps` stacks them."""
     return ("loss", task.metric_name, "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
 
 
-def _p_train_step(config: cfg.Config, task: data.Task, schedule: optax.Schedule, dp: parallel.DataParallel,
-                  per_device: int) -> Callable:
-    """`train_step` with its batch drawn on the devices, mapped over `dp`'s devices:
-    replicated state -> (replicated state, replicated f32[len(train_metric_names)]), the
-    metrics stacked in that order; state donated.
+def default_steps_per_dispatch(platform: str) -> int:
+    """`device.steps_per_dispatch=null`: 8 on CPU, where launching a pmapped step costs about
+    0.7 ms (H=100 Elman on 2 simulated devices: 3.4 ms a step one at a time, 2.9 ms with 4
+    per dispatch, 2.6 ms with 16); 1 on GPU/TPU, where the device runs ahead of the host
+    anyway (H100: 8 or 16 per dispatch were 1-3% slower than 1)."""
+    return 8 if platform == "cpu" else 1
 
-    Drawing the batch inside the step (as `make_sampler` would, from `state.step`) makes
-    one dispatch per step instead of two: the loop kept 94% of the bare step's tokens/s
-    with a separate sampler call at H=100 (scripts/benchmark.py --loop). Stacking the
-    metrics makes one device-to-host copy per step instead of one per metric: on an H100
-    reading them one scalar at a time cost 0.38 ms a step, half the step itself."""
+
+def _p_train_steps(config: cfg.Config, task: data.Task, schedule: optax.Schedule, dp: parallel.DataParallel,
+                   per_device: int, max_steps: int = 1) -> Callable:
+    """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
+    its batch drawn on the devices -> (state, f32[max_steps, len(train_metric_names)]),
+    row i holding step i's metrics (rows >= n unused; with max_steps=1 one row, f32[len(names)]);
+    state donated.
+
+    Drawing the batch inside the step makes one dispatch per step instead of two: the loop
+    kept 94% of the bare step's tokens/s with a separate sampler call at H=100
+    (scripts/benchmark.py --loop). Stacking the metrics makes one device-to-host copy per
+    dispatch instead of one per metric: on an H100 reading them one scalar at a time cost
+    0.38 ms a step, half the step itself. With max_steps > 1 the steps run in a
+    `fori_loop` whose trip count is an argument, so every n shares one compilation and the
+    same loop body: a run resumed mid-way reaches the same numbers."""
     stream = data.stream_key(config.seed, data.TRAIN_STREAM)
     skip = config.on_nonfinite == "skip"
     update = functools.partial(train_step, task=task, schedule=schedule, skip_nonfinite=skip, seed=config.seed)
     names = train_metric_names(task, skip)
 
-    def step(state):
+    def one_step(state):
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         state, metrics = update(state, data.sample_batch(task, stream, state.step, first, per_device))
         return state, jnp.stack([metrics[k] for k in names])
 
-    return dp.map(step, (parallel.REPLICATED,), (parallel.REPLICATED, parallel.REPLICATED), donate_argnums=(0,))
+    out_layouts = (parallel.REPLICATED, parallel.REPLICATED)
+    if max_steps == 1:
+        mapped = dp.map(one_step, (parallel.REPLICATED,), out_layouts, donate_argnums=(0,))
+        return lambda state, n: mapped(state)  # metrics f32[len(names)]: one row
+
+    def steps(state, n):
+        def body(i, carry):
+            state, rows = carry
+            state, metrics = one_step(state)
+            return state, rows.at[i].set(metrics)
+
+        return jax.lax.fori_loop(0, n, body, (state, jnp.zeros((max_steps, len(names)), jnp.float32)))
+
+    mapped = dp.map(steps, (parallel.REPLICATED, parallel.REPLICATED), out_layouts, donate_argnums=(0,))
+    counts: dict[int, Any] = {}  # n -> its argument, built once
+
+    def dispatch(state, n: int):
+        if not 1 <= n <= max_steps:
+            raise ValueError(f"n={n} steps: this dispatch runs 1 .. {max_steps}")
+        if n not in counts:
+            counts[n] = dp.host_scalar(n)
+        return mapped(state, counts[n])
+
+    return dispatch
 
 
-def _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded: int | None) -> tuple[list, str]:
+def _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded: int | None,
+                     steps_per_dispatch: int) -> tuple[list, str]:
     """`device.num_devices=null` on CPU: 1 device or all of `devices`, whichever trains faster.
 
     A resumed run keeps the count its run dir recorded (`recorded`; 1 for a run dir from
@@ -193,30 +229,30 @@ def _fastest_devices(config, task, model, tx, schedule, params_key, devices, rec
         per_device = config.batch_size // n
         example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
         state = dp.replicate(create_train_state(params_key, model, example, tx))
-        p_step = _p_train_step(config, task, schedule, dp, per_device)
+        dispatch = _p_train_steps(config, task, schedule, dp, per_device, steps_per_dispatch)
         for _ in range(3):  # compile, then warm up (the first runs after a compile are slower)
-            state, metrics = p_step(state)
+            state, metrics = dispatch(state, steps_per_dispatch)
             jax.block_until_ready(metrics)
         start = time.perf_counter()
-        state, metrics = p_step(state)
+        state, metrics = dispatch(state, steps_per_dispatch)
         jax.block_until_ready(metrics)
-        # Windows of k steps (k <= MAX_STEPS_IN_FLIGHT, about 50 ms each): median of up to 5, within ~2 s.
-        k = int(min(MAX_STEPS_IN_FLIGHT, max(1, 0.05 / (time.perf_counter() - start))))
+        # Windows of d dispatches (at most MAX_STEPS_IN_FLIGHT steps, about 50 ms): median of up to 5, within ~2 s.
+        d = int(min(MAX_STEPS_IN_FLIGHT // steps_per_dispatch, max(1, 0.05 / (time.perf_counter() - start))))
         times: list[float] = []
         budget_end = time.perf_counter() + 2.0
         while len(times) < 5 and (not times or time.perf_counter() < budget_end):
             start = time.perf_counter()
-            for _ in range(k):
-                state, metrics = p_step(state)
+            for _ in range(d):
+                state, metrics = dispatch(state, steps_per_dispatch)
             jax.block_until_ready(metrics)
-            times.append((time.perf_counter() - start) / k)
+            times.append((time.perf_counter() - start) / (d * steps_per_dispatch))
         return float(np.median(times))
 
     candidates = [1, len(devices)]
     key = json.dumps({"device": flops.device_key(devices[0]), "cores": parallel.host_cores(), "candidates": candidates,
                       "xla_flags": os.environ.get("XLA_FLAGS", ""), "batch": config.batch_size,
                       "data": dataclasses.asdict(config.data), "model": dataclasses.asdict(config.model),
-                      "strategy": config.device.strategy}, sort_keys=True)
+                      "strategy": config.device.strategy, "steps_per_dispatch": steps_per_dispatch}, sort_keys=True)
     cache_file = flops.cache_path().with_name("device_count.json")
     count, timings, cached = parallel.choose_device_count(key, candidates, seconds_per_step, cache_file)
     measured = ", ".join(f"{n}: {1e3 * t:.1f} ms/step" for n, t in sorted(timings.items()))
@@ -241,7 +277,8 @@ class _Run:
     task: data.Task
     devices: list
     dp: parallel.DataParallel
-    p_train_step: Callable
+    p_train_steps: Callable  # _p_train_steps: (state, n) -> (state, stacked metrics)
+    steps_per_dispatch: int
     p_eval_step: Callable
     eval_batches: list
     checkpointer: Checkpointer
@@ -259,11 +296,13 @@ class _Run:
     skipped_updates: int = 0
     progress: ProgressBar | None = None  # a live bar on a terminal, else nothing
 
-    def host_metrics(self, pending: list[jax.Array]) -> list[dict[str, float]]:
-        """The stacked metrics of `_p_train_step`'s steps (replicated layout) -> one dict of host
-        floats per step. A host sync; the copies all start at once."""
+    def host_metrics(self, dispatches: list[tuple[int, jax.Array]]) -> list[dict[str, float]]:
+        """(n, stacked metrics) of `_p_train_steps` dispatches (replicated layout) -> one dict of
+        host floats per step, in order. Waits for those dispatches; the copies all start at once."""
         names = train_metric_names(self.task, self.config.on_nonfinite == "skip")
-        return [dict(zip(names, map(float, row), strict=True)) for row in self.dp.to_host(pending)]
+        host = self.dp.to_host([metrics for _, metrics in dispatches])
+        return [dict(zip(names, map(float, row), strict=True))
+                for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
 
     def check_finite(self, step: int, rows: list[dict[str, float]]) -> dict[str, float]:
         """Mean of the per-step host metrics `rows` of the window of steps ending at `step`.
@@ -385,12 +424,14 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     model = RecurrentModel(model_config, task.output_dim)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     params_key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
+    steps_per_dispatch = config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform)
     device_note = ""
     if parallel.device_count_is_open(config.device, devices):
         recorded = None
         if latest is not None:  # resuming: the count this run dir trained with (1 if not recorded)
             recorded = int(checkpointer.saved_run_config().get(DEVICES_USED_KEY) or 1)
-        devices, device_note = _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded)
+        devices, device_note = _fastest_devices(config, task, model, tx, schedule, params_key, devices, recorded,
+                                                steps_per_dispatch)
     per_device = parallel.check_batch_divides(config.batch_size, len(devices))
     example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
     if primary:
@@ -420,7 +461,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         task=task,
         devices=devices,
         dp=dp,
-        p_train_step=_p_train_step(config, task, schedule, dp, per_device),
+        p_train_steps=_p_train_steps(config, task, schedule, dp, per_device, steps_per_dispatch),
+        steps_per_dispatch=steps_per_dispatch,
         p_eval_step=dp.map(functools.partial(eval_step, task=task), (replicated, sharded), replicated),
         eval_batches=[],
         checkpointer=checkpointer,
@@ -435,9 +477,10 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     run.eval_batches = [p_eval_batch(dp.host_scalar(i)) for i in range(config.eval_batches)]
     run.writer.write_hparams(flat_config)
     log.info(
-        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s)%s x batch %d | %d tokens/step | %.3g FLOPs/step",
+        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s)%s x batch %d | %d tokens/step | "
+        "%.3g FLOPs/step | up to %d steps per dispatch",
         task.name, task.seq_len, task.baseline_loss, num_params, len(devices), devices[0].platform,
-        device_note, per_device, tokens_per_step, run.flops_per_step,
+        device_note, per_device, tokens_per_step, run.flops_per_step, steps_per_dispatch,
     )
 
     state = dp.replicate(state)
@@ -473,37 +516,55 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
 
 
 def _train_loop(run: _Run, state: Any, start_step: int) -> tuple[str, Any]:
-    """Steps `start_step+1 .. config.steps`; returns ("completed" or "preempted", final state)."""
+    """Steps `start_step+1 .. config.steps`; returns ("completed" or "preempted", final state).
+
+    Each dispatch runs up to `run.steps_per_dispatch` steps and ends at the next step where
+    the loop has work (`_next_stop`), so logging, eval, checkpoints and the profiler window
+    see the same step numbers whatever the dispatch size. The host reads the metrics of
+    finished dispatches while later ones run, with at most MAX_STEPS_IN_FLIGHT steps queued.
+    """
     config, checkpointer = run.config, run.checkpointer
-    in_flight: list = []  # metrics of the steps dispatched since the last host sync, on device
+    in_flight: list[tuple[int, Any]] = []  # (steps, stacked metrics) of dispatches not read yet, oldest first
     rows: list[dict[str, float]] = []  # this log window's per-step metrics, on the host
     window = (0.0, 0)  # (clock reading, timed steps) when the window opened
 
-    def sync() -> None:
-        """Host sync: wait for the queued steps and bring their metrics to the host. The device
-        holds at most MAX_STEPS_IN_FLIGHT steps' metrics: a whole window's (thousands of live
-        device scalars at log_every=1000) slowed every step's dispatch by up to 15%."""
-        rows.extend(run.host_metrics(in_flight))
-        in_flight.clear()
+    def read(keep: int = 0) -> None:
+        """Bring the oldest dispatches' metrics to the host until at most `keep` steps stay queued.
+        Reading a window's worth only at its end would keep thousands of live device arrays,
+        which slowed every dispatch by up to 15% (log_every=1000)."""
+        queued, take = sum(n for n, _ in in_flight), 0
+        while queued > keep:
+            queued -= in_flight[take][0]
+            take += 1
+        if take:
+            rows.extend(run.host_metrics(in_flight[:take]))
+            del in_flight[:take]
 
     def close_window(step: int) -> None:
         nonlocal window
-        sync()
+        read()
         if rows:
             run.log_train(step, rows, window)
         rows.clear()
         window = (run.clock.elapsed(), run.timed_steps)
 
+    step = start_step  # updates done so far
     with PreemptionGuard() as guard:
-        for step in range(start_step + 1, config.steps + 1):  # `step` = updates done after this iteration
-            run.profiler.begin(step)
+        while step < config.steps:
+            # The first dispatch of this process compiles: one step, timed apart; the clock starts after it.
+            n = min(run.steps_per_dispatch, _next_stop(config, step) - step) if run.clock.running else 1
+            queued = sum(k for k, _ in in_flight)
+            if queued + n > MAX_STEPS_IN_FLIGHT:  # leave half the queue running while the host reads
+                read(keep=min(MAX_STEPS_IN_FLIGHT // 2, MAX_STEPS_IN_FLIGHT - n))
+            run.profiler.begin(step + 1)
             dispatched_at = time.perf_counter()
-            state, metrics = run.p_train_step(state)
-            in_flight.append(metrics)
+            state, metrics = run.p_train_steps(state, n)
+            in_flight.append((n, metrics))
+            step += n
             run.profiler.end(step, metrics)
             if run.clock.running:
-                run.timed_steps += 1
-            else:  # first step of this process compiles: time it apart, start the clock after it
+                run.timed_steps += n
+            else:
                 jax.block_until_ready(metrics)
                 run.compile_seconds = time.perf_counter() - dispatched_at
                 run.clock.start()
@@ -512,14 +573,12 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> tuple[str, Any]:
             is_last, stopping = step == config.steps, _stop_requested(guard, step)
             if step % config.log_every == 0 or is_last or stopping:
                 close_window(step)
-            elif step % MAX_STEPS_IN_FLIGHT == 0:
-                sync()
             if step % config.eval_every == 0 or is_last:
-                sync()  # queued steps count as training, not eval
+                read()  # queued steps count as training, not eval
                 with run.clock.paused():
                     run.evaluate(step, state)
             if config.checkpoint.enabled and (is_last or stopping or checkpointer.should_save(step)):
-                sync()
+                read()
                 if rows:
                     run.check_finite(step, rows)  # never checkpoint a diverged state
                 with run.clock.paused():
@@ -530,6 +589,20 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> tuple[str, Any]:
     if start_step >= config.steps:  # nothing left to train: evaluate the restored state
         run.evaluate(start_step, state)
     return "completed", state
+
+
+def _next_stop(config: cfg.Config, step: int) -> int:
+    """The first step after `step` where the loop has work between dispatches: a log line, an
+    eval, a checkpoint, the profiler window's edges, the multi-process stop check (every
+    MAX_STEPS_IN_FLIGHT steps), or the last step."""
+    periods = [config.log_every, config.eval_every, MAX_STEPS_IN_FLIGHT]
+    if config.checkpoint.enabled and config.checkpoint.every > 0:
+        periods.append(config.checkpoint.every)
+    stops = [(step // p + 1) * p for p in periods] + [config.steps]
+    if config.profile.num_steps > 0:
+        first, last = config.profile.start_step, config.profile.start_step + config.profile.num_steps - 1
+        stops += [s for s in (first - 1, last) if s > step]
+    return min(stops)
 
 
 def _stop_requested(guard: PreemptionGuard, step: int) -> bool:

@@ -267,12 +267,16 @@ def compile_vs_layers(args) -> list[dict]:
 def loop_vs_step(args, peak: float | None) -> list[dict]:
     """tokens/s of the whole training loop (train.py's own: on-device data, logging, eval, async
     Orbax saves; its clock skips the compiling step and pauses for eval and saves) against the
-    bare step on the same devices, timed before and after the loop in the same process."""
+    bare step on the same devices (one step per dispatch), timed before and after the loop in
+    the same process. The loop runs with device.steps_per_dispatch at its default for the
+    platform and at 1 (what dispatching several steps at once adds), and at the default without
+    checkpoints (what Orbax's async saves cost)."""
     import tempfile
 
     rows = []
+    dispatch_sizes = dict.fromkeys([trainer.default_steps_per_dispatch(jax.devices()[0].platform), 1])
     print(f"training loop vs bare step: {args.loop} steps, log_every/eval_every/checkpoint.every at their "
-          f"defaults (100/500/500) | load {load():.2f}")
+          f"defaults (100/500/500), steps per dispatch {', '.join(map(str, dispatch_sizes))} | load {load():.2f}")
     for cell in args.cells:
         for h, b, t, layers in args.shapes:
             n = default_device_count(b)
@@ -281,18 +285,24 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
             step(1)
             count = max(1, min(200, int(args.min_seconds / max(timed(step, 1), 1e-6))))
             before = statistics.median(timed(step, count) for _ in range(args.repeats))
-            with tempfile.TemporaryDirectory() as workdir:
-                results = trainer.train_and_evaluate(config, workdir)
+            variants = {f"{k}/dispatch": {"device.steps_per_dispatch": k} for k in dispatch_sizes}
+            variants[f"{next(iter(dispatch_sizes))}/dispatch, no checkpoints"] = {"checkpoint.enabled": False}
+            loops = {}
+            for name, overrides in variants.items():
+                with tempfile.TemporaryDirectory() as workdir:
+                    loops[name] = trainer.train_and_evaluate(cfg.replace(config, **overrides), workdir)
             after = statistics.median(timed(step, count) for _ in range(args.repeats))
             bare = b * t / ((before + after) / 2)
             row = {"cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "devices": n,
-                   "bare_tokens_per_sec": bare, "loop_tokens_per_sec": results["tokens_per_sec"],
-                   "ratio": results["tokens_per_sec"] / bare, "bare_ms_before": 1e3 * before,
-                   "bare_ms_after": 1e3 * after, "loop_wall_seconds": results["wall_seconds"], "load": load()}
+                   "bare_tokens_per_sec": bare, "bare_ms_before": 1e3 * before, "bare_ms_after": 1e3 * after,
+                   "loop_tokens_per_sec": {k: r["tokens_per_sec"] for k, r in loops.items()},
+                   "ratio": {k: r["tokens_per_sec"] / bare for k, r in loops.items()},
+                   "loop_wall_seconds": {k: r["wall_seconds"] for k, r in loops.items()}, "load": load()}
             rows.append(row)
             print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | bare step {bare:12,.0f} tokens/s "
-                  f"({1e3 * before:.2f} / {1e3 * after:.2f} ms before/after) | loop {row['loop_tokens_per_sec']:12,.0f} "
-                  f"tokens/s | loop/bare {row['ratio']:.3f} | load {row['load']:.2f}", flush=True)
+                  f"({1e3 * before:.2f} / {1e3 * after:.2f} ms before/after) | "
+                  + " | ".join(f"loop, {k} {row['loop_tokens_per_sec'][k]:12,.0f} tokens/s = {row['ratio'][k]:.3f}"
+                               for k in loops) + f" | load {row['load']:.2f}", flush=True)
     return rows
 
 

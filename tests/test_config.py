@@ -46,6 +46,8 @@ def test_adamw_inherits_adam_keys_and_decays():
         ("optimizer.schedule=step", "optimizer.schedule", "cosine"),
         ("device.num_devices=0", "device.num_devices", "> 0"),
         ("device.platform=ipu", "device.platform", "auto, cpu, gpu, tpu"),
+        ("device.steps_per_dispatch=17", "device.steps_per_dispatch", "null or 1 .. 16"),
+        ("device.steps_per_dispatch=0", "device.steps_per_dispatch", "null or 1 .. 16"),
         ("checkpoint.keep=0", "checkpoint.keep", "> 0"),
         ("+model.depth=3", "model.depth", "allowed in model"),
         ("model.recurrence=manual", "model.recurrence", "autodiff, custom_vjp"),

@@ -131,6 +131,27 @@ def test_resumed_run_continues_from_the_saved_step_and_matches(tmp_path, caplog)
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 9]
 
 
+def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
+    """Dispatches of up to 8 or 5 steps end exactly at every log, eval and checkpoint step and
+    run the same steps as one step per dispatch: same parameters, same logged metrics."""
+    runs = {}
+    for k in (1, 5, 8):
+        config = tiny_config("steps=40", "log_every=20", "eval_every=25", "checkpoint.every=30", "checkpoint.keep=5",
+                             f"device.steps_per_dispatch={k}")
+        runs[k] = train_and_evaluate(config, tmp_path / str(k))
+        assert runs[k]["step"] == 40
+        events = EventAccumulator(str(tmp_path / str(k) / "tensorboard"))
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == [20, 40]
+        assert [e.step for e in events.Scalars("eval/loss")] == [25, 40]
+        runs[k] = {"loss": [e.value for e in events.Scalars("train/loss")], "state": saved_state(tmp_path / str(k), 40),
+                   "at_30": saved_state(tmp_path / str(k), 30)}
+    for k in (5, 8):
+        assert runs[k]["loss"] == runs[1]["loss"]
+        assert_same_tree(runs[k]["state"], runs[1]["state"])
+        assert_same_tree(runs[k]["at_30"], runs[1]["at_30"])
+
+
 def test_pmap_over_two_devices_matches_one_device(tmp_path):
     one = train_and_evaluate(tiny_config("steps=4", "device.num_devices=1"), tmp_path / "one")
     two = train_and_evaluate(tiny_config("steps=4", "device.num_devices=2"), tmp_path / "two")
@@ -153,7 +174,7 @@ def test_train_step_compiles_once(tmp_path, caplog, strategy):
             jax.config.update("jax_log_compiles", False)
     # The train step (which draws its own batch), the eval sampler and the eval step compile
     # once each (pmap logs them all as jit(_fun)); nothing more over 40 steps.
-    names = ("jit(_fun)", "jit(step)", "jit(sample)", "jit(train_step)", "jit(eval_step)")
+    names = ("jit(_fun)", "jit(steps)", "jit(one_step)", "jit(sample)", "jit(train_step)", "jit(eval_step)")
     compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith(tuple(f"Compiling {n}" for n in names))]
     assert len(compiles) == 3, compiles
 
