@@ -163,7 +163,7 @@ class PreemptionGuard:
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        log.warning("%s received: finishing this step, saving a checkpoint, then exiting", name)
+        log.warning("%s received: finishing the steps in progress, saving a checkpoint, then exiting", name)
         self.requested = name
 
     def __enter__(self) -> "PreemptionGuard":

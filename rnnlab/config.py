@@ -25,8 +25,9 @@ PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 STRATEGIES = ("pmap", "shard_map")
 
 NONFINITE_POLICIES = ("stop", "skip")
-# Train steps one dispatch may run: the loop never has more than 16 steps queued (trainer.MAX_STEPS_IN_FLIGHT).
-MAX_STEPS_PER_DISPATCH = 16
+# Train steps one dispatch may run: half of the 16 steps the loop lets queue (trainer.MAX_STEPS_IN_FLIGHT),
+# so that one dispatch always runs while the host reads the one before.
+MAX_STEPS_PER_DISPATCH = 8
 
 # Shortest `seq_len` per task: adding needs room for its two markers; the copy task's
 # delay must be longer than the 10 symbols it recalls.

@@ -286,7 +286,8 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
             count = max(1, min(200, int(args.min_seconds / max(timed(step, 1), 1e-6))))
             before = statistics.median(timed(step, count) for _ in range(args.repeats))
             variants = {f"{k}/dispatch": {"device.steps_per_dispatch": k} for k in dispatch_sizes}
-            variants[f"{next(iter(dispatch_sizes))}/dispatch, no checkpoints"] = {"checkpoint.enabled": False}
+            default = next(iter(dispatch_sizes))
+            variants[f"{default}/dispatch, no checkpoints"] = {"device.steps_per_dispatch": default, "checkpoint.enabled": False}
             loops = {}
             for name, overrides in variants.items():
                 with tempfile.TemporaryDirectory() as workdir:

@@ -152,6 +152,56 @@ def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
         assert_same_tree(runs[k]["at_30"], runs[1]["at_30"])
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_dispatches_end_at_every_step_the_loop_has_work_and_cover_every_step(k):
+    from rnnlab.trainer import MAX_STEPS_IN_FLIGHT, _next_stop
+
+    cases = [("steps=100", "log_every=7", "eval_every=30", "checkpoint.every=25", "profile.start_step=40", "profile.num_steps=5"),
+             ("steps=50", "log_every=50", "eval_every=50", "checkpoint.enabled=false")]
+    for overrides in cases:
+        config = tiny_config(*overrides)
+        for processes in (1, 2):
+            for start in (0, 13):
+                ends, step = [], start
+                while step < config.steps:
+                    step += min(k, _next_stop(config, step, processes) - step)
+                    ends.append(step)
+                ck = config.checkpoint
+                must = {s for s in range(start + 1, config.steps + 1)
+                        if s % config.log_every == 0 or s % config.eval_every == 0 or s == config.steps
+                        or (ck.enabled and s % ck.every == 0) or (processes > 1 and s % MAX_STEPS_IN_FLIGHT == 0)}
+                if config.profile.num_steps:
+                    must |= {config.profile.start_step - 1, config.profile.start_step + config.profile.num_steps - 1}
+                assert must <= set(ends), (overrides, processes, start, sorted(must - set(ends)))
+                assert ends[-1] == config.steps and all(0 < b - a <= k for a, b in zip([start, *ends], ends))
+
+
+def test_divergence_inside_a_multi_step_dispatch_names_its_step(tmp_path):
+    from rnnlab.trainer import NonFiniteLossError
+
+    for k in (1, 8):
+        config = tiny_config("steps=16", "log_every=16", "eval_every=16", "optimizer.lr=1e30",
+                             "optimizer.warmup_steps=0", f"device.steps_per_dispatch={k}")
+        with pytest.raises(NonFiniteLossError) as info:  # step 1 is finite, step 2 overflows
+            train_and_evaluate(config, tmp_path / str(k))
+        assert info.value.step == 2
+        assert json.loads((tmp_path / str(k) / "results.json").read_text())["step"] == 2
+
+
+def test_several_steps_per_dispatch_under_shard_map_on_four_devices(tmp_path):
+    """Across 4 devices the looped step is another XLA program than the single step: the same
+    steps, the same numbers to float32 rounding (bit-identity is only promised per setting)."""
+    runs = {}
+    for k in (1, 8):
+        config = tiny_config("steps=20", "log_every=10", "eval_every=20", "checkpoint.every=20", "batch_size=8",
+                             "device.num_devices=4", "device.strategy=shard_map", f"device.steps_per_dispatch={k}")
+        runs[k] = train_and_evaluate(config, tmp_path / str(k))
+    assert runs[8]["train_loss"] == pytest.approx(runs[1]["train_loss"], rel=1e-5)
+    p1, p8 = (saved_state(tmp_path / str(k), 20)["params"] for k in (1, 8))
+    for x, y in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
 def test_pmap_over_two_devices_matches_one_device(tmp_path):
     one = train_and_evaluate(tiny_config("steps=4", "device.num_devices=1"), tmp_path / "one")
     two = train_and_evaluate(tiny_config("steps=4", "device.num_devices=2"), tmp_path / "two")
