@@ -155,10 +155,11 @@ def train_metric_names(task: data.Task, skip_nonfinite: bool) -> tuple[str, ...]
 
 
 def default_steps_per_dispatch(platform: str) -> int:
-    """`device.steps_per_dispatch=null`: 8 on CPU, where launching a pmapped step costs about
-    0.7 ms (H=100 Elman on 2 simulated devices: 3.4 ms a step one at a time, 2.9 ms with 4
-    per dispatch, 2.6 ms with 16); 1 on GPU/TPU, where the device runs ahead of the host
-    (H100, the same model: 8 per dispatch kept 0.80 of the bare step's tokens/s, 1 kept 0.93)."""
+    """`device.steps_per_dispatch=null`: 8 on CPU, where each dispatch has a fixed cost
+    (`scripts/benchmark.py --rows 0 3 --dispatch 1 4 8`: 8 per dispatch took 0.5-1.8 ms less a
+    step than 1, 1.09-1.22x faster, on 1 and 2 devices); 1 on GPU/TPU, where the device runs
+    ahead of the host (H100, Elman H=100: the loop kept 0.80 of the bare step's tokens/s at 8
+    per dispatch, 0.91-0.93 at 1)."""
     return 8 if platform == "cpu" else 1
 
 
@@ -555,10 +556,11 @@ def _train_loop(run: _Run, state: Any, start_step: int) -> tuple[str, Any]:
         window = (run.clock.elapsed(), run.timed_steps)
 
     step = start_step  # updates done so far
+    num_processes = jax.process_count()
     with PreemptionGuard() as guard:
         while step < config.steps:
             # The first dispatch of this process compiles: one step, timed apart; the clock starts after it.
-            n = min(run.steps_per_dispatch, _next_stop(config, step, jax.process_count()) - step) if run.clock.running else 1
+            n = min(run.steps_per_dispatch, _next_stop(config, step, num_processes) - step) if run.clock.running else 1
             queued = sum(k for k, _ in in_flight)
             if queued + n > MAX_STEPS_IN_FLIGHT:  # n <= 8: half the queue keeps running while the host reads
                 read(keep=MAX_STEPS_IN_FLIGHT // 2)

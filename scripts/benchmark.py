@@ -5,6 +5,7 @@
     python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
     python scripts/benchmark.py --rows 0 --variant model.recurrence=autodiff   # custom_vjp vs autodiff
     python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs the bare step
+    python scripts/benchmark.py --rows 0 --dispatch 1 4 8         # steps per dispatch: what launching a step costs
 
 The step is what `python train.py` runs: rnnlab's own `create_train_state` and
 `train_step` under `jax.pmap` (state donated), with the adding task's batch generated
@@ -307,6 +308,58 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
     return rows
 
 
+def dispatch_sizes(args) -> list[dict]:
+    """ms per step of the training loop's own compiled dispatch (`trainer._p_train_steps`: batch
+    drawn on the devices, metrics stacked) at each of `args.dispatch` steps per dispatch, on the
+    devices train.py picks first, timed in turn within every repeat; at most 16 steps queued, as
+    in the loop. Shows what launching one step costs."""
+    from rnnlab.models import default_unroll
+
+    rows = []
+    print(f"steps per dispatch {', '.join(map(str, args.dispatch))}: ms per step, median of {args.repeats} | load {load():.2f}")
+    for cell in args.cells:
+        for h, b, t, layers in args.shapes:
+            n = default_device_count(b)
+            config = compose(cell, h, b, t, layers, [*args.override, f"device.num_devices={n}"])
+            task = data.make_task(config.data)
+            devices = jax.devices()[:n]
+            model_config = config.model
+            if model_config.unroll is None:
+                model_config = cfg.replace(config, **{"model.unroll": default_unroll(devices[0].platform)}).model
+            model = RecurrentModel(model_config, task.output_dim)
+            tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+            dp = parallel.DataParallel(devices, "pmap")
+            example = jnp.zeros((b // n, task.total_len, task.input_dim))
+            runners = {}
+            for k in args.dispatch:
+                dispatch = trainer._p_train_steps(config, task, schedule, dp, b // n, k)
+                state = dp.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx))
+
+                def run(steps, k=k, dispatch=dispatch, box=[state]):  # noqa: B006 - the box carries the donated state
+                    for i in range(max(1, steps // k)):
+                        box[0], metrics = dispatch(box[0], k)
+                        if (i + 1) * k % trainer.MAX_STEPS_IN_FLIGHT == 0:
+                            jax.block_until_ready(metrics)
+                    jax.block_until_ready(box[0])
+
+                run(2 * k)  # compile and warm up
+                runners[k] = run
+            count = max(16, min(400, int(args.min_seconds / max(timed(runners[args.dispatch[0]], 16), 1e-6))))
+            count -= count % 16
+            times = {k: [] for k in args.dispatch}
+            for _ in range(args.repeats):
+                for k, run in runners.items():
+                    times[k].append(timed(run, count))
+            ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+            rows.append({"cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "devices": n,
+                         "ms_per_step": ms, "load": load()})
+            first = args.dispatch[0]
+            print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | "
+                  + " | ".join(f"{k}/dispatch {v:8.3f} ms ({ms[first] / v:.2f}x)" for k, v in ms.items())
+                  + f" | load {load():.2f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", default=list(cfg.CELLS), choices=cfg.CELLS)
@@ -326,6 +379,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--loop", type=int, metavar="STEPS",
                         help="instead: tokens/s of the whole training loop (STEPS steps) against the bare step")
+    parser.add_argument("--dispatch", nargs="+", type=int, metavar="K",
+                        help="instead: ms per step of the loop's own dispatch at K steps per dispatch (e.g. 1 8)")
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only measure compile seconds for these num_layers")
     parser.add_argument("--compile-row", type=int, default=1, help="grid row whose shape --compile-layers uses")
     parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
@@ -352,6 +407,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'
     device = jax.devices()[0]
     peak = flops.peak_flops(device, flops.model_peak_kind("float32"))
+    if args.dispatch:
+        out = {"dispatch_sizes": dispatch_sizes(args)}
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        return out
     if args.loop:
         out = {"loop_vs_step": loop_vs_step(args, peak)}
         args.json.write_text(json.dumps(out, indent=2) + "\n")

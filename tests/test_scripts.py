@@ -80,5 +80,20 @@ def test_benchmark_prints_a_row_and_writes_json(tmp_path):
     assert "lstm" in proc.stdout and "wrote" in proc.stdout
 
 
+@pytest.mark.slow
+def test_benchmark_times_the_loops_dispatch_at_each_size(tmp_path):
+    out = tmp_path / "dispatch.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--cells", "gru", "--shapes", "8,4,6,1",
+         "--dispatch", "1", "3", "--repeats", "2", "--min-seconds", "0.01", "--json", str(out)],
+        cwd=tmp_path, env=train_env({"RNNLAB_MAX_CPU_DEVICES": "2"}), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["dispatch_sizes"]
+    assert row["devices"] == 2 and set(row["ms_per_step"]) == {"1", "3"}
+    assert min(row["ms_per_step"].values()) > 0
+    assert "3/dispatch" in proc.stdout
+
+
 def benchmark_config(cell, h, b, t, layers):
     return load_script("benchmark").compose(cell, h, b, t, layers)
