@@ -59,16 +59,21 @@ def test_benchmark_gives_every_framework_the_whole_batch():
     flax_step(2)  # compiles and runs on the [4, 6, 2] batch
 
 
-@pytest.mark.slow
-def test_benchmark_prints_a_row_and_writes_json(tmp_path):
+def run_benchmark(tmp_path, *args):
+    """`scripts/benchmark.py ARGS --json FILE` in a fresh process (at most 2 CPU devices) -> (process, JSON)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--cells", "lstm", "--shapes", "8,4,6,2",
-         "--repeats", "2", "--min-seconds", "0.01", "--devices", "1", "2", "--json", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), *args, "--repeats", "2", "--min-seconds", "0.01",
+         "--json", str(out)],
         cwd=tmp_path, env=train_env({"RNNLAB_MAX_CPU_DEVICES": "2"}), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_benchmark_prints_a_row_and_writes_json(tmp_path):
+    proc, result = run_benchmark(tmp_path, "--cells", "lstm", "--shapes", "8,4,6,2", "--devices", "1", "2")
     (row,) = result["results"]
     assert (row["cell"], row["hidden"], row["batch"], row["time"], row["layers"]) == ("lstm", 8, 4, 6, 2)
     assert row["step_ms"] > 0 and row["flax_step_ms"] > 0 and row["devices"] in (1, 2)
@@ -82,14 +87,8 @@ def test_benchmark_prints_a_row_and_writes_json(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_times_the_loops_dispatch_at_each_size(tmp_path):
-    out = tmp_path / "dispatch.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--cells", "gru", "--shapes", "8,4,6,1",
-         "--dispatch", "1", "3", "--repeats", "2", "--min-seconds", "0.01", "--json", str(out)],
-        cwd=tmp_path, env=train_env({"RNNLAB_MAX_CPU_DEVICES": "2"}), capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())["dispatch_sizes"]
+    proc, result = run_benchmark(tmp_path, "--cells", "gru", "--shapes", "8,4,6,1", "--dispatch", "1", "3")
+    (row,) = result["dispatch_sizes"]
     assert row["devices"] == 2 and set(row["ms_per_step"]) == {"1", "3"}
     assert min(row["ms_per_step"].values()) > 0
     assert "3/dispatch" in proc.stdout
