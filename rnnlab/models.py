@@ -132,8 +132,7 @@ class RecurrentLayer(nn.Module):
         if self.recurrence == "custom_vjp":
             w_hh, b_hn = RecurrentWeights(self.hidden_dim, self.cell, self.init_scheme, name="cell")()
             b_hn = None if b_hn is None else b_hn.astype(self.dtype)
-            u = linear(x, w_xh, b)
-            hs = recurrence(self.cell, self.activation, self.unroll, u, w_hh.astype(self.dtype), b_hn)
+            hs = recurrence(self.cell, self.activation, self.unroll, linear(x, w_xh), b, w_hh.astype(self.dtype), b_hn)
             return self._dropout(hs), None
         hoist = self.hoist_input
 
