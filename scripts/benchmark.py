@@ -7,13 +7,18 @@
     python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs the bare step
     python scripts/benchmark.py --rows 0 --dispatch 1 4 8         # steps per dispatch: what launching a step costs
 
-The step is what `python train.py` runs: rnnlab's own `create_train_state` and
-`train_step` under `jax.pmap` (state donated), with the adding task's batch generated
-beforehand, Adam, no clipping (clip_norm=0 on all sides). On CPU it runs on one simulated
+The main columns time the step as `python train.py` runs it: the training loop's own
+compiled dispatch (`trainer._p_train_steps`, state donated) with the platform's default
+`device.steps_per_dispatch` (8 on CPU: 8 train steps in one `fori_loop` per call; 1 on
+GPU/TPU), each step drawing its adding-task batch on the devices, Adam, no clipping
+(clip_norm=0 on all sides), time per step = time per call / steps. Beside them,
+`1/disp ms` is the bare step, one `train_step` per call under `jax.pmap` on a batch
+generated beforehand (on the main columns' device count), with its own ratio to torch. On CPU rnnlab runs on one simulated
 device per core (that the batch divides into) and on each count of `--devices` (default
 1), and the main columns show the faster, as train.py picks with device.num_devices=null
-(column `dev`). `--variant OVERRIDES` times rnnlab with other settings (e.g.
-`model.recurrence=autodiff`, on the per-core device count) side by side. The same
+(column `dev`); `compile s` is the bare step's compile. `--variant OVERRIDES` times rnnlab
+with other settings (e.g. `model.recurrence=autodiff`, on the per-core device count) side
+by side. The same
 model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
 the last step) and the same forward + backward + Adam update are built in
 `torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -107,6 +113,34 @@ class RnnlabStep:
             if (i + 1) % trainer.MAX_STEPS_IN_FLIGHT == 0:  # as the training loop does: pmap over
                 jax.block_until_ready(metrics)  # simulated CPU devices aborts with too many in flight
         jax.block_until_ready((self.state, metrics))
+
+
+class LoopDispatch:
+    """The training loop's compiled dispatch (`trainer._p_train_steps`) on `num_devices` devices:
+    `steps_per_dispatch` train steps per call, each drawing its batch on the devices, metrics
+    stacked, state donated. With the platform's default count this is the step as train.py
+    runs it. Called with a step count that is a multiple of `steps_per_dispatch`."""
+
+    def __init__(self, config: cfg.Config, num_devices: int, steps_per_dispatch: int):
+        self.k = steps_per_dispatch
+        self.task = data.make_task(config.data)
+        self.devices = jax.devices()[:num_devices]
+        model = RecurrentModel(config.model, self.task.output_dim)
+        tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+        dp = parallel.DataParallel(self.devices, "pmap")
+        per_device = config.batch_size // num_devices
+        example = jnp.zeros((per_device, self.task.total_len, self.task.input_dim))
+        self.dispatch = trainer._p_train_steps(config, self.task, schedule, dp, per_device, self.k)
+        self.state = dp.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx))
+        self(self.k)  # compile
+
+    def __call__(self, n: int) -> None:
+        assert n % self.k == 0, (n, self.k)
+        for i in range(n // self.k):
+            self.state, metrics = self.dispatch(self.state, self.k)
+            if (i + 1) * self.k % trainer.MAX_STEPS_IN_FLIGHT == 0:  # at most 16 steps queued, as in the loop
+                jax.block_until_ready(metrics)
+        jax.block_until_ready(self.state)
 
 
 class FlaxStep:
@@ -200,21 +234,25 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     h, b, t, layers = row
     load_start = load()
     main_devices = default_device_count(b)
-    ours = RnnlabStep(config, main_devices)
-    runners = {"rnnlab": ours}
-    for n in args.devices:  # the same step pmapped over other device counts, timed side by side
+    k = trainer.default_steps_per_dispatch(jax.devices()[0].platform)
+    bare = RnnlabStep(config, main_devices)
+    runners = {"rnnlab": LoopDispatch(config, main_devices, k), "bare": bare}
+    for n in args.devices:  # the dispatch and the bare step over other device counts, timed side by side
         if b % n == 0 and n != main_devices:
-            runners[f"rnnlab@{n}"] = RnnlabStep(config, n)
-    for variant in args.variant:  # the same step with other overrides, timed side by side
-        runners[variant] = RnnlabStep(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices)
+            runners[f"rnnlab@{n}"] = LoopDispatch(config, n, k)
+            runners[f"bare@{n}"] = RnnlabStep(config, n)
+    for variant in args.variant:  # the same dispatch with other overrides, timed side by side
+        runners[variant] = LoopDispatch(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices, k)
     if torch_ok and not args.no_torch:
-        runners["torch"] = TorchStep(cell, h, b, t, layers, ours.global_batch())
+        runners["torch"] = TorchStep(cell, h, b, t, layers, bare.global_batch())
     if not args.no_flax:
-        runners["flax"] = FlaxStep(cell, h, b, t, layers, ours.global_batch())
+        runners["flax"] = FlaxStep(cell, h, b, t, layers, bare.global_batch())
     steps = {}
     for name, fn in runners.items():  # warm-up, and how many steps make one timed repeat
-        fn(1)
-        steps[name] = max(1, min(200, int(args.min_seconds / max(timed(fn, 1), 1e-6))))
+        granule = getattr(fn, "k", 1)  # a dispatch runs whole multiples of its k steps
+        fn(granule)
+        n = max(1, min(200, int(args.min_seconds / max(timed(fn, granule), 1e-6))))
+        steps[name] = -(-n // granule) * granule
     times = {name: [] for name in runners}
     for _ in range(args.repeats):  # interleaved, so load changes hit every framework alike
         for name, fn in runners.items():
@@ -225,17 +263,21 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     per_core_ms = 1e3 * median["rnnlab"]  # what the variants are compared with (they run on this count)
     main_devices = min(by_devices, key=by_devices.get)  # as train.py does: the faster count
     median["rnnlab"] = by_devices[main_devices]
+    median["bare"] = median.get(f"bare@{main_devices}", median["bare"])  # the bare step on the same count
     tokens = b * t
-    model_flops = flops.train_step_flops(config.model, ours.task.input_dim, ours.task.output_dim, tokens)
+    model_flops = flops.train_step_flops(config.model, bare.task.input_dim, bare.task.output_dim, tokens)
+    devices = jax.devices()[:main_devices]
     result = {
         "cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "overrides": args.override,
         "step_ms": 1e3 * median["rnnlab"], "tokens_per_sec": tokens / median["rnnlab"],
         "gflops_per_sec": model_flops / median["rnnlab"] / 1e9,
-        "mfu": flops.mfu(model_flops / median["rnnlab"], peak, ours.devices),
-        "compile_seconds": ours.compile_seconds, "flops_per_step": model_flops,
+        "mfu": flops.mfu(model_flops / median["rnnlab"], peak, devices),
+        "compile_seconds": bare.compile_seconds, "flops_per_step": model_flops,
+        "steps_per_dispatch": k, "bare_step_ms": 1e3 * median["bare"],
         "torch_step_ms": 1e3 * median["torch"] if "torch" in median else None,
         "flax_step_ms": 1e3 * median["flax"] if "flax" in median else None,
         "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
+        "bare_vs_torch": median["torch"] / median["bare"] if "torch" in median else None,
         "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
         "devices": main_devices,
         "step_ms_by_devices": {n: 1e3 * by_devices[n] if n in by_devices else None for n in args.devices},
@@ -309,43 +351,19 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
 
 
 def dispatch_sizes(args) -> list[dict]:
-    """ms per step of the training loop's own compiled dispatch (`trainer._p_train_steps`: batch
-    drawn on the devices, metrics stacked) at each of `args.dispatch` steps per dispatch, on the
-    devices train.py picks first, timed in turn within every repeat; at most 16 steps queued, as
-    in the loop. Shows what launching one step costs."""
-    from rnnlab.models import default_unroll
-
+    """ms per step of the training loop's own compiled dispatch (`LoopDispatch`) at each of
+    `args.dispatch` steps per dispatch, on the devices train.py picks first, timed in turn within
+    every repeat. Shows what launching one step costs."""
     rows = []
     print(f"steps per dispatch {', '.join(map(str, args.dispatch))}: ms per step, median of {args.repeats} | load {load():.2f}")
     for cell in args.cells:
         for h, b, t, layers in args.shapes:
             n = default_device_count(b)
             config = compose(cell, h, b, t, layers, [*args.override, f"device.num_devices={n}"])
-            task = data.make_task(config.data)
-            devices = jax.devices()[:n]
-            model_config = config.model
-            if model_config.unroll is None:
-                model_config = cfg.replace(config, **{"model.unroll": default_unroll(devices[0].platform)}).model
-            model = RecurrentModel(model_config, task.output_dim)
-            tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
-            dp = parallel.DataParallel(devices, "pmap")
-            example = jnp.zeros((b // n, task.total_len, task.input_dim))
-            runners = {}
-            for k in args.dispatch:
-                dispatch = trainer._p_train_steps(config, task, schedule, dp, b // n, k)
-                state = dp.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx))
-
-                def run(steps, k=k, dispatch=dispatch, box=[state]):  # noqa: B006 - the box carries the donated state
-                    for i in range(max(1, steps // k)):
-                        box[0], metrics = dispatch(box[0], k)
-                        if (i + 1) * k % trainer.MAX_STEPS_IN_FLIGHT == 0:
-                            jax.block_until_ready(metrics)
-                    jax.block_until_ready(box[0])
-
-                run(2 * k)  # compile and warm up
-                runners[k] = run
-            count = max(16, min(400, int(args.min_seconds / max(timed(runners[args.dispatch[0]], 16), 1e-6))))
-            count -= count % 16
+            runners = {k: LoopDispatch(config, n, k) for k in args.dispatch}
+            granule = math.lcm(*args.dispatch)  # every repeat runs whole dispatches of every size
+            count = max(16, min(400, int(args.min_seconds / max(timed(runners[args.dispatch[0]], granule), 1e-6))))
+            count = -(-count // granule) * granule
             times = {k: [] for k in args.dispatch}
             for _ in range(args.repeats):
                 for k, run in runners.items():
@@ -418,7 +436,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"device {flops.device_key(device)} | jax {jax.__version__} | {torch_note} | "
           f"float32 (default precision) peak {peak / 1e9:.1f} GFLOP/s | load {load():.2f} | median of {args.repeats}")
     header = (f"{'cell':<5} {'H':>5} {'B':>3} {'T':>5} {'L':>2} {'dev':>3} {'ms/step':>9} {'tokens/s':>10} {'GFLOP/s':>8} "
-              f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} {'load':>5}"
+              f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} "
+              f"{'1/disp ms':>9} {'vs torch':>8} {'load':>5}"
               + "".join(f" {f'{n} dev ms':>9} {'main is':>8}" for n in args.devices)
               + "".join(f" | {v}: ms, rnnlab (per-core count) is" for v in args.variant))
     print(header)
@@ -433,7 +452,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{cell:<5} {r['hidden']:>5} {r['batch']:>3} {r['time']:>5} {r['layers']:>2} {r['devices']:>3} {r['step_ms']:9.2f} "
               f"{r['tokens_per_sec']:10,.0f} {r['gflops_per_sec']:8.1f} {fmt(r['mfu'], '6.1%')} "
               f"{r['compile_seconds']:9.2f} {fmt(r['torch_step_ms'], '9.2f')} {fmt(r['vs_torch'], '7.2f')}x "
-              f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x {r['load_end']:5.2f}"
+              f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x "
+              f"{r['bare_step_ms']:9.2f} {fmt(r['bare_vs_torch'], '7.2f')}x {r['load_end']:5.2f}"
               + "".join(f" {fmt(ms, '9.2f')} {fmt(ms and ms / r['step_ms'], '7.2f')}x" for ms in r["step_ms_by_devices"].values())
               + "".join(f" | {ms:9.2f} {ms / r['variant_baseline_ms']:5.2f}x" for ms in r["step_ms_by_variant"].values()),
               flush=True)

@@ -77,6 +77,7 @@ def test_benchmark_prints_a_row_and_writes_json(tmp_path):
     (row,) = result["results"]
     assert (row["cell"], row["hidden"], row["batch"], row["time"], row["layers"]) == ("lstm", 8, 4, 6, 2)
     assert row["step_ms"] > 0 and row["flax_step_ms"] > 0 and row["devices"] in (1, 2)
+    assert row["steps_per_dispatch"] == 8 and row["bare_step_ms"] > 0  # train.py's CPU dispatch, and the bare step
     assert set(row["step_ms_by_devices"]) == {"1", "2"}  # JSON keys; the main column is the faster count
     assert row["step_ms"] == pytest.approx(min(v for v in row["step_ms_by_devices"].values() if v))
     assert row["flops_per_step"] == flops.train_step_flops(
