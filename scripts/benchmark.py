@@ -35,6 +35,7 @@ runs at (TF32 on NVIDIA GPUs; full float32 on CPU), measured quickly if none is 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -121,8 +122,10 @@ class LoopDispatch:
     stacked, state donated. With the platform's default count this is the step as train.py
     runs it. Called with a step count that is a multiple of `steps_per_dispatch`."""
 
-    def __init__(self, config: cfg.Config, num_devices: int, steps_per_dispatch: int):
-        self.k = steps_per_dispatch
+    def __init__(self, config: cfg.Config, num_devices: int, steps_per_dispatch: int | None = None):
+        """steps_per_dispatch: None takes config's `device.steps_per_dispatch`, or the platform's default."""
+        platform = jax.devices()[0].platform
+        self.k = steps_per_dispatch or config.device.steps_per_dispatch or trainer.default_steps_per_dispatch(platform)
         self.task = data.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
         model = RecurrentModel(config.model, self.task.output_dim)
@@ -136,10 +139,12 @@ class LoopDispatch:
 
     def __call__(self, n: int) -> None:
         assert n % self.k == 0, (n, self.k)
-        for i in range(n // self.k):
+        queued = collections.deque()  # metrics of the dispatches in flight, oldest first
+        for _ in range(n // self.k):
+            while len(queued) * self.k + self.k > trainer.MAX_STEPS_IN_FLIGHT:  # at most 16 steps queued,
+                jax.block_until_ready(queued.popleft())  # as in the loop: wait for the oldest only
             self.state, metrics = self.dispatch(self.state, self.k)
-            if (i + 1) * self.k % trainer.MAX_STEPS_IN_FLIGHT == 0:  # at most 16 steps queued, as in the loop
-                jax.block_until_ready(metrics)
+            queued.append(metrics)
         jax.block_until_ready(self.state)
 
 
@@ -234,15 +239,14 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     h, b, t, layers = row
     load_start = load()
     main_devices = default_device_count(b)
-    k = trainer.default_steps_per_dispatch(jax.devices()[0].platform)
     bare = RnnlabStep(config, main_devices)
-    runners = {"rnnlab": LoopDispatch(config, main_devices, k), "bare": bare}
+    runners = {"rnnlab": LoopDispatch(config, main_devices), "bare": bare}
     for n in args.devices:  # the dispatch and the bare step over other device counts, timed side by side
         if b % n == 0 and n != main_devices:
-            runners[f"rnnlab@{n}"] = LoopDispatch(config, n, k)
+            runners[f"rnnlab@{n}"] = LoopDispatch(config, n)
             runners[f"bare@{n}"] = RnnlabStep(config, n)
-    for variant in args.variant:  # the same dispatch with other overrides, timed side by side
-        runners[variant] = LoopDispatch(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices, k)
+    for variant in args.variant:  # the same dispatch with other overrides (its own steps per dispatch), side by side
+        runners[variant] = LoopDispatch(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices)
     if torch_ok and not args.no_torch:
         runners["torch"] = TorchStep(cell, h, b, t, layers, bare.global_batch())
     if not args.no_flax:
@@ -272,8 +276,8 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         "step_ms": 1e3 * median["rnnlab"], "tokens_per_sec": tokens / median["rnnlab"],
         "gflops_per_sec": model_flops / median["rnnlab"] / 1e9,
         "mfu": flops.mfu(model_flops / median["rnnlab"], peak, devices),
-        "compile_seconds": bare.compile_seconds, "flops_per_step": model_flops,
-        "steps_per_dispatch": k, "bare_step_ms": 1e3 * median["bare"],
+        "compile_seconds": runners.get(f"bare@{main_devices}", bare).compile_seconds, "flops_per_step": model_flops,
+        "steps_per_dispatch": runners["rnnlab"].k, "bare_step_ms": 1e3 * median["bare"],
         "torch_step_ms": 1e3 * median["torch"] if "torch" in median else None,
         "flax_step_ms": 1e3 * median["flax"] if "flax" in median else None,
         "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
