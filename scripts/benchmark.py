@@ -13,10 +13,11 @@ compiled dispatch (`trainer._p_train_steps`, state donated) with the platform's 
 GPU/TPU), each step drawing its adding-task batch on the devices, Adam, no clipping
 (clip_norm=0 on all sides), time per step = time per call / steps. Beside them,
 `1/disp ms` is the bare step, one `train_step` per call under `jax.pmap` on a batch
-generated beforehand (on the main columns' device count), with its own ratio to torch. On CPU rnnlab runs on one simulated
-device per core (that the batch divides into) and on each count of `--devices` (default
-1), and the main columns show the faster, as train.py picks with device.num_devices=null
-(column `dev`); `compile s` is the bare step's compile. `--variant OVERRIDES` times rnnlab
+generated beforehand (on the main columns' device count), with its own ratio to torch.
+On CPU rnnlab runs on one simulated device per core (that the batch divides into) and on
+each count of `--devices` (default 1), and the main columns show the faster, as train.py
+picks with device.num_devices=null (column `dev`); `compile s` is the bare step's compile.
+`--override device.steps_per_dispatch=K` (or a `--variant` of it) times another dispatch size. `--variant OVERRIDES` times rnnlab
 with other settings (e.g. `model.recurrence=autodiff`, on the per-core device count) side
 by side. The same
 model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
