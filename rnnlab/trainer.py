@@ -158,9 +158,9 @@ def default_steps_per_dispatch(platform: str) -> int:
     """`device.steps_per_dispatch=null`: 8 on CPU, where each dispatch has a fixed cost
     (`scripts/benchmark.py --rows 0 3 --dispatch 1 4 8`: 8 per dispatch took 0.5-1.8 ms less a
     step than 1, 1.09-1.22x faster, on 1 and 2 devices) and allocates XLA's temporary buffer
-    afresh, which the kernel then faults in page by page (for the LSTM at H=256, L=2, 0.25 s
-    of kernel time a step at 1 per dispatch; `--cells lstm --rows 1 --dispatch 1 8`: 675 against
-    567 ms a step); 1 on GPU/TPU, where the device runs
+    afresh, which the kernel then faults in page by page (`--cells lstm --rows 1 --dispatch 1 8`:
+    for the LSTM at H=256, L=2, 0.26 against 0.03 s of kernel time and 695 against 591 ms a
+    step); 1 on GPU/TPU, where the device runs
     ahead of the host (H100, Elman H=100: the loop kept 0.80 of the bare step's tokens/s at 8
     per dispatch, 0.91-0.93 at 1)."""
     return 8 if platform == "cpu" else 1

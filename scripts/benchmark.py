@@ -17,11 +17,11 @@ generated beforehand (on the main columns' device count), with its own ratio to 
 On CPU rnnlab runs on one simulated device per core (that the batch divides into) and on
 each count of `--devices` (default 1), and the main columns show the faster, as train.py
 picks with device.num_devices=null (column `dev`); `compile s` is the bare step's compile.
-`--override device.steps_per_dispatch=K` (or a `--variant` of it) times another dispatch size. `--variant OVERRIDES` times rnnlab
-with other settings (e.g. `model.recurrence=autodiff`, on the per-core device count) side
-by side. The same
-model (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on
-the last step) and the same forward + backward + Adam update are built in
+`--override device.steps_per_dispatch=K` (or a `--variant` of it) times another dispatch
+size. `--variant OVERRIDES` times rnnlab with other settings (e.g.
+`model.recurrence=autodiff`, on the per-core device count) side by side. The same model
+(input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on the last
+step) and the same forward + backward + Adam update are built in
 `torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
 without torch that column is skipped, and the script says so) and in
 `flax.linen.RNN` with Flax's built-in `SimpleCell`/`LSTMCell`/`GRUCell`. Each is
@@ -40,6 +40,7 @@ import collections
 import json
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -82,17 +83,22 @@ def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = (
         return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=overrides))
 
 
+def replicated_state(config: cfg.Config, task: data.Task, devices: list) -> tuple:
+    """(the initial train state replicated on `devices`, the learning-rate schedule), as train.py
+    builds them (optimizer schedule over 1000 steps)."""
+    model = RecurrentModel(config.model, task.output_dim)
+    tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+    example = jnp.zeros((config.batch_size // len(devices), task.total_len, task.input_dim))
+    return parallel.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx), devices), schedule
+
+
 class RnnlabStep:
     """rnnlab's pmapped train step on `num_devices` devices, as the training loop builds it."""
 
     def __init__(self, config: cfg.Config, num_devices: int = 1):
         self.task = data.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
-        model = RecurrentModel(config.model, self.task.output_dim)
-        tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
-        example = jnp.zeros((config.batch_size, self.task.total_len, self.task.input_dim))
-        state = trainer.create_train_state(jax.random.key(0), model, example, tx)
-        self.state = parallel.replicate(state, self.devices)
+        self.state, schedule = replicated_state(config, self.task, self.devices)
         per_device = config.batch_size // num_devices
         sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), per_device, self.devices)
         self.batch = sampler(np.zeros(num_devices, np.int32))  # leaves [num_devices, B / num_devices, ...]
@@ -129,13 +135,9 @@ class LoopDispatch:
         self.k = steps_per_dispatch or config.device.steps_per_dispatch or trainer.default_steps_per_dispatch(platform)
         self.task = data.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
-        model = RecurrentModel(config.model, self.task.output_dim)
-        tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+        self.state, schedule = replicated_state(config, self.task, self.devices)
         dp = parallel.DataParallel(self.devices, "pmap")
-        per_device = config.batch_size // num_devices
-        example = jnp.zeros((per_device, self.task.total_len, self.task.input_dim))
-        self.dispatch = trainer._p_train_steps(config, self.task, schedule, dp, per_device, self.k)
-        self.state = dp.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx))
+        self.dispatch = trainer._p_train_steps(config, self.task, schedule, dp, config.batch_size // num_devices, self.k)
         self(self.k)  # compile
 
     def __call__(self, n: int) -> None:
@@ -358,7 +360,9 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
 def dispatch_sizes(args) -> list[dict]:
     """ms per step of the training loop's own compiled dispatch (`LoopDispatch`) at each of
     `args.dispatch` steps per dispatch, on the devices train.py picks first, timed in turn within
-    every repeat. Shows what launching one step costs."""
+    every repeat, with the process's minor page faults and kernel CPU seconds per step (`getrusage`
+    around the same repeats: XLA's CPU runtime allocates its temporary buffer afresh per call,
+    and the kernel faults it in again each time). Shows what launching one step costs."""
     rows = []
     print(f"steps per dispatch {', '.join(map(str, args.dispatch))}: ms per step, median of {args.repeats} | load {load():.2f}")
     for cell in args.cells:
@@ -370,15 +374,23 @@ def dispatch_sizes(args) -> list[dict]:
             count = max(16, min(400, int(args.min_seconds / max(timed(runners[args.dispatch[0]], granule), 1e-6))))
             count = -(-count // granule) * granule
             times = {k: [] for k in args.dispatch}
+            faults = dict.fromkeys(args.dispatch, 0)
+            kernel_seconds = dict.fromkeys(args.dispatch, 0.0)
             for _ in range(args.repeats):
                 for k, run in runners.items():
+                    before = resource.getrusage(resource.RUSAGE_SELF)
                     times[k].append(timed(run, count))
+                    after = resource.getrusage(resource.RUSAGE_SELF)
+                    faults[k] += (after.ru_minflt - before.ru_minflt) / (count * args.repeats)
+                    kernel_seconds[k] += (after.ru_stime - before.ru_stime) / (count * args.repeats)
             ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
             rows.append({"cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "devices": n,
-                         "ms_per_step": ms, "load": load()})
+                         "ms_per_step": ms, "minor_faults_per_step": faults, "kernel_seconds_per_step": kernel_seconds,
+                         "load": load()})
             first = args.dispatch[0]
             print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | "
-                  + " | ".join(f"{k}/dispatch {v:8.3f} ms ({ms[first] / v:.2f}x)" for k, v in ms.items())
+                  + " | ".join(f"{k}/dispatch {v:8.3f} ms ({ms[first] / v:.2f}x; {faults[k]:,.0f} faults, "
+                               f"{kernel_seconds[k]:.3f} s kernel a step)" for k, v in ms.items())
                   + f" | load {load():.2f}", flush=True)
     return rows
 

@@ -92,6 +92,7 @@ def test_benchmark_times_the_loops_dispatch_at_each_size(tmp_path):
     (row,) = result["dispatch_sizes"]
     assert row["devices"] == 2 and set(row["ms_per_step"]) == {"1", "3"}
     assert min(row["ms_per_step"].values()) > 0
+    assert set(row["minor_faults_per_step"]) == set(row["kernel_seconds_per_step"]) == {"1", "3"}
     assert "3/dispatch" in proc.stdout
 
 
