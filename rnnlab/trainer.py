@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_STEPS_IN_FLIGHT = 16
 assert 2 * cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
 DEVICES_USED_KEY = "device.num_devices_used"  # in checkpoints/run_config.json: what a resumed run keeps
+DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # in checkpoints/run_config.json: the resolved null (a record)
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
 
@@ -386,6 +387,7 @@ class _Run:
             "baseline_loss": self.task.baseline_loss,
             "num_params": num_params,
             "num_devices": len(self.devices),
+            "steps_per_dispatch": self.steps_per_dispatch,
             "platform": self.devices[0].platform,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_sec": tokens_per_sec,
@@ -456,7 +458,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         state, _ = restored
         log.info("resumed from %s at step %d", checkpointer.directory, int(state.step))
     elif primary:
-        checkpointer.write_run_config({**flat_config, DEVICES_USED_KEY: len(devices)})
+        checkpointer.write_run_config({**flat_config, DEVICES_USED_KEY: len(devices), DISPATCH_USED_KEY: steps_per_dispatch})
     start_step = int(state.step)
     num_params = count_params(state.params)
 

@@ -18,6 +18,9 @@ def test_readme_command_with_top_level_hidden_dim(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["status"] == "completed" and results["step"] == 6
+    assert results["steps_per_dispatch"] == 8  # device.steps_per_dispatch=null on CPU
+    run_config = json.loads((tmp_path / "checkpoints" / "run_config.json").read_text())
+    assert run_config["device.steps_per_dispatch"] is None and run_config["device.steps_per_dispatch_used"] == 8
     summary = (tmp_path / "model_summary.txt").read_text()
     assert "kernel: float32[2,100]" in summary and ",100,100]" in summary  # hidden_dim=100 reached the model
     assert "baseline 0.1667" in proc.stdout + proc.stderr
