@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_STEPS_IN_FLIGHT = 16
 assert 2 * cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
 DEVICES_USED_KEY = "device.num_devices_used"  # in checkpoints/run_config.json: what a resumed run keeps
-DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # in checkpoints/run_config.json: the resolved null (a record)
+DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # in checkpoints/run_config.json: recorded only (any count resumes alike)
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
 
