@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from rnnlab import parallel  # noqa: E402
 from rnnlab.config import ModelConfig  # noqa: E402
 from rnnlab.models import RecurrentModel  # noqa: E402
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
+    parallel.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.2f} at start\n")
     {"hoist": bench_hoist, "init": bench_init, "remat": bench_remat}[args.what](args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")

@@ -4,6 +4,7 @@
     python scripts/benchmark.py --cells rnn --rows 0 3 --repeats 3   # a quick subset
     python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
     python scripts/benchmark.py --rows 0 --variant model.recurrence=autodiff   # custom_vjp vs autodiff
+    python scripts/benchmark.py --rows 0 --xla-variant xla_cpu_prefer_vector_width=256   # XLA options, side by side
     python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs the bare step
     python scripts/benchmark.py --rows 0 --dispatch 1 4 8         # steps per dispatch: what launching a step costs
 
@@ -19,7 +20,9 @@ each count of `--devices` (default 1), and the main columns show the faster, as 
 picks with device.num_devices=null (column `dev`); `compile s` is the bare step's compile.
 `--override device.steps_per_dispatch=K` (or a `--variant` of it) times another dispatch
 size. `--variant OVERRIDES` times rnnlab with other settings (e.g.
-`model.recurrence=autodiff`, on the per-core device count) side by side. The same model
+`model.recurrence=autodiff`, on the per-core device count) side by side; `--xla-variant
+OPTIONS` does the same for XLA debug options (XLA_FLAGS' names, without the dashes), passed to
+that one compilation as `compiler_options`, so that flags are compared in one process. The same model
 (input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on the last
 step) and the same forward + backward + Adam update are built in
 `torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
@@ -123,20 +126,53 @@ class RnnlabStep:
         jax.block_until_ready((self.state, metrics))
 
 
+class CompilerOptionsPmap(parallel.DataParallel):
+    """pmap compiled with XLA `compiler_options` (debug options by name, as XLA_FLAGS sets them
+    for the whole process), for functions called with one argument signature."""
+
+    def __init__(self, devices: list, options: dict):
+        super().__init__(devices, "pmap")
+        self.options = options
+
+    def map(self, fn, in_layouts, out_layouts, donate_argnums=()):
+        mapped = super().map(fn, in_layouts, out_layouts, donate_argnums)
+        compiled = []
+
+        def call(*args):
+            if not compiled:
+                compiled.append(mapped.lower(*args).compile(compiler_options=self.options))
+            return compiled[0](*args)
+
+        return call
+
+
+def parse_xla_options(text: str) -> dict:
+    """'name=value ...' -> compiler_options: true/false as bools, integers as ints, else strings."""
+    def value(v: str):
+        return {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+
+    return {name.lstrip("-"): value(v) for name, v in (item.split("=", 1) for item in text.split())}
+
+
 class LoopDispatch:
     """The training loop's compiled dispatch (`trainer._p_train_steps`) on `num_devices` devices:
     `steps_per_dispatch` train steps per call, each drawing its batch on the devices, metrics
     stacked, state donated. With the platform's default count this is the step as train.py
     runs it. Called with a step count that is a multiple of `steps_per_dispatch`."""
 
-    def __init__(self, config: cfg.Config, num_devices: int, steps_per_dispatch: int | None = None):
-        """steps_per_dispatch: None takes config's `device.steps_per_dispatch`, or the platform's default."""
+    def __init__(self, config: cfg.Config, num_devices: int, steps_per_dispatch: int | None = None,
+                 compiler_options: dict | None = None):
+        """steps_per_dispatch: None takes config's `device.steps_per_dispatch`, or the platform's default.
+        compiler_options: XLA options for this dispatch's compilation (`CompilerOptionsPmap`)."""
         platform = jax.devices()[0].platform
         self.k = steps_per_dispatch or config.device.steps_per_dispatch or trainer.default_steps_per_dispatch(platform)
         self.task = data.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
         self.state, schedule = replicated_state(config, self.task, self.devices)
-        dp = parallel.DataParallel(self.devices, "pmap")
+        if compiler_options:
+            dp = CompilerOptionsPmap(self.devices, compiler_options)
+        else:
+            dp = parallel.DataParallel(self.devices, "pmap")
         self.dispatch = trainer._p_train_steps(config, self.task, schedule, dp, config.batch_size // num_devices, self.k)
         self(self.k)  # compile
 
@@ -250,6 +286,8 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
             runners[f"bare@{n}"] = RnnlabStep(config, n)
     for variant in args.variant:  # the same dispatch with other overrides (its own steps per dispatch), side by side
         runners[variant] = LoopDispatch(compose(cell, h, b, t, layers, [*args.override, *variant.split()]), main_devices)
+    for options in args.xla_variant:  # the same dispatch compiled with other XLA options, side by side
+        runners[f"xla: {options}"] = LoopDispatch(config, main_devices, compiler_options=parse_xla_options(options))
     if torch_ok and not args.no_torch:
         runners["torch"] = TorchStep(cell, h, b, t, layers, bare.global_batch())
     if not args.no_flax:
@@ -288,12 +326,17 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
         "devices": main_devices,
         "step_ms_by_devices": {n: 1e3 * by_devices[n] if n in by_devices else None for n in args.devices},
-        "step_ms_by_variant": {v: 1e3 * median[v] for v in args.variant},
+        "step_ms_by_variant": {v: 1e3 * median[v] for v in variant_names(args)},
         "variant_baseline_ms": per_core_ms,
         "repeats": args.repeats, "steps_per_repeat": steps, "all_times_ms": {k: [1e3 * x for x in v] for k, v in times.items()},
         "load_start": load_start, "load_end": load(),
     }
     return result
+
+
+def variant_names(args) -> list[str]:
+    """The side-by-side variants' names: `--variant` override lists, then `--xla-variant` option sets."""
+    return [*args.variant, *(f"xla: {options}" for options in args.xla_variant)]
 
 
 def fmt(x, spec):
@@ -410,6 +453,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variant", nargs="*", default=[],
                         help="rnnlab variants timed beside the main column, each a space-separated override list, "
                              "e.g. --variant model.recurrence=autodiff")
+    parser.add_argument("--xla-variant", nargs="*", default=[],
+                        help="XLA option sets timed beside the main column, each a space-separated list of "
+                             "name=value (XLA_FLAGS names), e.g. --xla-variant xla_cpu_prefer_vector_width=256")
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--loop", type=int, metavar="STEPS",
@@ -421,6 +467,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
     args = parser.parse_args(argv)
     args.shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else [GRID[i] for i in args.rows]
+    parallel.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
 
     if args.compile_layers:
         out = {"compile_vs_layers": compile_vs_layers(args)}
@@ -456,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} "
               f"{'1/disp ms':>9} {'vs torch':>8} {'load':>5}"
               + "".join(f" {f'{n} dev ms':>9} {'main is':>8}" for n in args.devices)
-              + "".join(f" | {v}: ms, rnnlab (per-core count) is" for v in args.variant))
+              + "".join(f" | {v}: ms, rnnlab (per-core count) is" for v in variant_names(args)))
     print(header)
     # Every config composed (and validated) before anything is timed.
     configs = {(cell, shape): compose(cell, *shape, args.override) for cell in args.cells for shape in args.shapes}

@@ -16,6 +16,12 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from rnnlab.parallel import set_cpu_xla_flags  # noqa: E402
+
+# As train.py does before JAX starts: this process and its train.py subprocesses compile alike,
+# whichever test happens to start JAX first.
+set_cpu_xla_flags()
+
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
 

@@ -59,6 +59,19 @@ def test_benchmark_gives_every_framework_the_whole_batch():
     flax_step(2)  # compiles and runs on the [4, 6, 2] batch
 
 
+def test_benchmark_compiles_an_xla_variant_with_its_options():
+    benchmark = load_script("benchmark")
+    assert benchmark.parse_xla_options("--xla_cpu_prefer_vector_width=256 xla_cpu_enable_fast_math=false a=b") == {
+        "xla_cpu_prefer_vector_width": 256, "xla_cpu_enable_fast_math": False, "a": "b"}
+    devices = jax.devices()[:2]
+    double = benchmark.CompilerOptionsPmap(devices, {"xla_cpu_prefer_vector_width": 256}).map(
+        lambda x: 2 * x, (benchmark.parallel.SHARDED,), benchmark.parallel.SHARDED)
+    np.testing.assert_array_equal(double(np.ones((2, 3), np.float32)), np.full((2, 3), 2.0))
+    bad = benchmark.CompilerOptionsPmap(devices, {"xla_cpu_prefer_vector_width": "wide"})  # reaches XLA, which refuses it
+    with pytest.raises(Exception, match="xla_cpu_prefer_vector_width"):
+        bad.map(lambda x: 2 * x, (benchmark.parallel.SHARDED,), benchmark.parallel.SHARDED)(np.ones((2, 3), np.float32))
+
+
 def run_benchmark(tmp_path, *args):
     """`scripts/benchmark.py ARGS --json FILE` in a fresh process (at most 2 CPU devices) -> (process, JSON)."""
     out = tmp_path / "bench.json"
@@ -73,8 +86,11 @@ def run_benchmark(tmp_path, *args):
 
 @pytest.mark.slow
 def test_benchmark_prints_a_row_and_writes_json(tmp_path):
-    proc, result = run_benchmark(tmp_path, "--cells", "lstm", "--shapes", "8,4,6,2", "--devices", "1", "2")
+    off = "xla_cpu_prefer_vector_width=256 xla_cpu_copy_insertion_use_region_analysis=false"
+    proc, result = run_benchmark(tmp_path, "--cells", "lstm", "--shapes", "8,4,6,2", "--devices", "1", "2",
+                                 "--xla-variant", off)
     (row,) = result["results"]
+    assert list(row["step_ms_by_variant"]) == [f"xla: {off}"] and row["step_ms_by_variant"][f"xla: {off}"] > 0
     assert (row["cell"], row["hidden"], row["batch"], row["time"], row["layers"]) == ("lstm", 8, 4, 6, 2)
     assert row["step_ms"] > 0 and row["flax_step_ms"] > 0 and row["devices"] in (1, 2)
     assert row["steps_per_dispatch"] == 8 and row["bare_step_ms"] > 0  # train.py's CPU dispatch, and the bare step
