@@ -110,8 +110,9 @@ def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: C
 # (the user's value wins): 512-bit vectors for the cells' transcendentals (XLA's default is 256)
 # and copy insertion that leaves fewer copies inside while loops. On the loop's 8-step dispatch,
 # timed side by side in one process (`scripts/benchmark.py --xla-variant`, README benchmark
-# section), they made the LSTM and GRU steps at H=100 and at B=1, T=2000 1.12-1.19x faster, and
-# left the Elman cell and the H=256 and H=1024 rows within noise (0.96-1.04x).
+# section, on a 2-core AMD Zen 4), they made the LSTM and GRU steps at H=100 and at B=1, T=2000
+# 1.13-1.25x faster and the other rows -1% to +5%. Measured on AVX-512 machines only; where the
+# CPU has narrower vectors LLVM cannot use 512-bit ones (untested there).
 CPU_XLA_FLAGS = {
     "xla_cpu_prefer_vector_width": "512",
     "xla_cpu_copy_insertion_use_region_analysis": "true",
@@ -119,10 +120,15 @@ CPU_XLA_FLAGS = {
 
 
 def with_cpu_xla_flags(xla_flags: str) -> str:
-    """An XLA_FLAGS value plus each of CPU_XLA_FLAGS that it does not already set."""
-    named = {token.lstrip("-").split("=", 1)[0] for token in xla_flags.split()}
+    """An XLA_FLAGS value with each of CPU_XLA_FLAGS that it does not already set, put first:
+    XLA ignores every flag after a token that does not start with '-' (hydra/launcher=parallel
+    sets one). A value that does not start with '-' at all names a flag file: left as it is."""
+    flags = xla_flags.strip()
+    if flags and not flags.startswith("-"):
+        return xla_flags
+    named = {token.lstrip("-").split("=", 1)[0] for token in flags.split()}
     added = [f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items() if name not in named]
-    return " ".join([xla_flags.strip(), *added]).strip()
+    return " ".join([*added, flags]).strip()
 
 
 def set_cpu_xla_flags() -> None:

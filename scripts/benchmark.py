@@ -147,11 +147,13 @@ class CompilerOptionsPmap(parallel.DataParallel):
 
 
 def parse_xla_options(text: str) -> dict:
-    """'name=value ...' -> compiler_options: true/false as bools, integers as ints, else strings."""
+    """'name=value ...' (XLA_FLAGS' syntax, leading dashes optional) -> compiler_options: true/false
+    as bools, integers as ints, other values as strings, a bare name as true."""
     def value(v: str):
         return {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
 
-    return {name.lstrip("-"): value(v) for name, v in (item.split("=", 1) for item in text.split())}
+    items = (token.lstrip("-").partition("=") for token in text.split())
+    return {name: value(v) if sep else True for name, sep, v in items}
 
 
 class LoopDispatch:
@@ -467,6 +469,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=Path("benchmark.json"), help="where to write the results")
     args = parser.parse_args(argv)
     args.shapes = [tuple(map(int, s.split(","))) for s in args.shapes] if args.shapes else [GRID[i] for i in args.rows]
+    if args.xla_variant and (args.compile_layers or args.loop or args.dispatch):
+        parser.error("--xla-variant times the step table's rows; it does not apply to --compile-layers, --loop or --dispatch")
+    if not all(parse_xla_options(options) for options in args.xla_variant):
+        parser.error("--xla-variant: each option set needs at least one name=value")
     parallel.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
 
     if args.compile_layers:

@@ -61,8 +61,8 @@ def test_benchmark_gives_every_framework_the_whole_batch():
 
 def test_benchmark_compiles_an_xla_variant_with_its_options():
     benchmark = load_script("benchmark")
-    assert benchmark.parse_xla_options("--xla_cpu_prefer_vector_width=256 xla_cpu_enable_fast_math=false a=b") == {
-        "xla_cpu_prefer_vector_width": 256, "xla_cpu_enable_fast_math": False, "a": "b"}
+    assert benchmark.parse_xla_options("--xla_cpu_prefer_vector_width=256 xla_cpu_enable_fast_math=false a=b --c") == {
+        "xla_cpu_prefer_vector_width": 256, "xla_cpu_enable_fast_math": False, "a": "b", "c": True}
     devices = jax.devices()[:2]
     double = benchmark.CompilerOptionsPmap(devices, {"xla_cpu_prefer_vector_width": 256}).map(
         lambda x: 2 * x, (benchmark.parallel.SHARDED,), benchmark.parallel.SHARDED)
