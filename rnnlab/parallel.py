@@ -111,8 +111,9 @@ def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: C
 # and copy insertion that leaves fewer copies inside while loops. On the loop's 8-step dispatch,
 # timed side by side in one process (`scripts/benchmark.py --xla-variant`, README benchmark
 # section, on a 2-core AMD Zen 4), they made the LSTM and GRU steps at H=100 and at B=1, T=2000
-# 1.13-1.25x faster and the other rows -1% to +5%. Measured on AVX-512 machines only; where the
-# CPU has narrower vectors LLVM cannot use 512-bit ones (untested there).
+# 1.13-1.25x faster and the other rows -1% to +5% (Elman H=100: 1.14x there, 1.02x in two reruns
+# of that row). Measured on AVX-512 machines only; where the CPU has narrower vectors LLVM
+# cannot use 512-bit ones (untested there).
 CPU_XLA_FLAGS = {
     "xla_cpu_prefer_vector_width": "512",
     "xla_cpu_copy_insertion_use_region_analysis": "true",

@@ -34,7 +34,6 @@ def test_a_flag_file_is_left_alone():
 
 
 _COMPILE_AFTER_CONFIGURE = """
-import sys
 import jax, jax.numpy as jnp
 from rnnlab import parallel
 from rnnlab.config import DeviceConfig
