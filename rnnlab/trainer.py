@@ -419,6 +419,12 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
     primary = parallel.is_primary()
     if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
         log.setLevel(logging.WARNING)
+    if os.environ.get(parallel.PIN_CPU_ENV) == "1" and devices[0].platform == "cpu":
+        if parallel.pinned_core() is None:
+            log.warning("%s=1, but every core is held by another pinned process: this one is not pinned",
+                        parallel.PIN_CPU_ENV)
+        else:
+            log.info("pinned to CPU core %d (%s=1)", parallel.pinned_core(), parallel.PIN_CPU_ENV)
     parallel.check_batch_divides(config.batch_size, len(devices))
     task = data.make_task(config.data)
     flat_config = cfg.flatten(config)

@@ -142,7 +142,8 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     jobs = jobs_of(tmp_path)
     assert len(jobs) == 2 and all(results_of(j)["status"] == "completed" for j in jobs)
     hydra_cfg = yaml.safe_load((jobs[0] / ".hydra" / "hydra.yaml").read_text())["hydra"]
-    assert "intra_op_parallelism_threads=1" in hydra_cfg["job"]["env_set"]["XLA_FLAGS"]  # one core per job
+    assert hydra_cfg["job"]["env_set"]["RNNLAB_PIN_CPU"] == "1"  # one core per job
+    assert all("pinned to CPU core" in (job / "train.log").read_text() for job in jobs)
 
 
 @pytest.mark.slow
