@@ -44,7 +44,7 @@ the model's float32 matmuls run at JAX's default precision, which is TF32 on NVI
 GPUs since Ampere (and bf16 passes on TPU), so its MFU divides by the
 `float32_default` peak, not the full-float32 one (`model_peak_kind`); on CPU the two
 are the same. MFU = model FLOPs per second / (peak x devices); on CPU the simulated
-devices share one host, so the host's peak is used once.
+devices share the cores of one process, so their peak is used once.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rnnlab import models
+from rnnlab import models, parallel
 from rnnlab.config import ModelConfig
 
 # Gate count per cell: the width of W_xh and W_hh is G*H (rnnlab/cells.py, PyTorch's order).
@@ -186,7 +186,11 @@ def cache_path() -> Path:
 
 
 def device_key(device: Any) -> str:
-    """A name for the device kind; on CPU the processor model and core count (device_kind is just 'cpu')."""
+    """A name for the device kind; on CPU the processor model and the count of cores this process
+    may use (device_kind is just 'cpu'). The cores, not the host's: a process pinned to one
+    (`RNNLAB_PIN_CPU=1`, `taskset`) reaches about half a 2-core host's matmul peak (104.5
+    against 186.8 GFLOP/s on the README's VM), so it needs a peak of its own, and must not
+    cache its own under the whole host's key."""
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
     model = platform.processor() or platform.machine()
@@ -197,7 +201,7 @@ def device_key(device: Any) -> str:
                 break
     except OSError:
         pass
-    return f"cpu:{model}:{os.cpu_count()} cores"
+    return f"cpu:{model}:{parallel.host_cores()} cores"
 
 
 def load_peaks() -> dict:

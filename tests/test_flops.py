@@ -2,12 +2,15 @@
 
 import contextlib
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import compose_config
+from conftest import ROOT, compose_config
 from rnnlab import config as cfg
 from rnnlab import data, flops, models, parallel
 from rnnlab.models import RecurrentModel
@@ -145,10 +148,26 @@ def test_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     assert flops.peak_flops(device, "bfloat16") == 2.0e9 and flops.peak_flops(device, "float32") == first
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and two cores")
+def test_a_process_pinned_to_one_core_has_a_peak_of_its_own(tmp_path):
+    """A pinned process (RNNLAB_PIN_CPU=1, taskset) reaches about half a 2-core host's matmul peak:
+    it must neither divide by the whole host's cached peak nor cache its own in that entry."""
+    script = ("import os, sys, jax; from rnnlab import flops; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+              "flops.save_peak(jax.devices()[0], 'float32', 1.0e9, source='pinned'); print(flops.device_key(jax.devices()[0]))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    pinned_key = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
+                                timeout=120).stdout.strip()
+    assert pinned_key.endswith(":1 cores")
+    assert flops.device_key(jax.devices()[0]) == f"{pinned_key.rsplit(':', 1)[0]}:{len(os.sched_getaffinity(0))} cores"
+    cached = json.loads((tmp_path / "rnnlab" / "peak_flops.json").read_text())
+    assert list(cached) == [pinned_key]  # saved under the 1-core key, not the host's
+
+
 def test_mfu():
     cpu = jax.devices("cpu")
     assert flops.mfu(5e9, 1e10, cpu) == 0.5
-    assert flops.mfu(5e9, 1e10, cpu[:2]) == 0.5  # simulated CPU devices share the host's peak
+    assert flops.mfu(5e9, 1e10, cpu[:2]) == 0.5  # simulated CPU devices share the process's peak
     assert flops.mfu(None, 1e10, cpu) is None and flops.mfu(5e9, None, cpu) is None
 
 
