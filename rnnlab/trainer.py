@@ -260,7 +260,7 @@ def _fastest_devices(config, task, model, tx, schedule, params_key, devices, rec
         return float(np.median(times))
 
     candidates = [1, len(devices)]
-    key = json.dumps({"device": flops.device_key(devices[0]), "cores": parallel.host_cores(), "candidates": candidates,
+    key = json.dumps({"device": flops.device_key(devices[0]), "candidates": candidates,
                       "xla_flags": parallel.with_cpu_xla_flags(os.environ.get("XLA_FLAGS", "")), "batch": config.batch_size,
                       "data": dataclasses.asdict(config.data), "model": dataclasses.asdict(config.model),
                       "strategy": config.device.strategy, "steps_per_dispatch": steps_per_dispatch}, sort_keys=True)

@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per framework (median kept)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="each repeat runs enough steps to last about this")
     parser.add_argument("--override", nargs="*", default=[], help="extra rnnlab config overrides, e.g. model.unroll=4")
-    parser.add_argument("--torch-threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: cores)")
+    parser.add_argument("--torch-threads", type=int, default=parallel.host_cores(), help="torch.set_num_threads (default: the cores this process may use)")
     parser.add_argument("--devices", nargs="*", type=int, default=[1],
                         help="other rnnlab device counts timed beside the main column (which uses what train.py "
                              "picks: on CPU one simulated device per core that the batch divides into)")

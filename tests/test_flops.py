@@ -153,7 +153,7 @@ def test_peak_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
 def test_a_process_pinned_to_one_core_has_a_peak_of_its_own(tmp_path):
     """A pinned process (RNNLAB_PIN_CPU=1, taskset) reaches about half a 2-core host's matmul peak:
     it must neither divide by the whole host's cached peak nor cache its own in that entry."""
-    script = ("import os, sys, jax; from rnnlab import flops; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+    script = ("import os, jax; from rnnlab import flops; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
               "flops.save_peak(jax.devices()[0], 'float32', 1.0e9, source='pinned'); print(flops.device_key(jax.devices()[0]))")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     pinned_key = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True,
