@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
+from rnnlab import files
 from rnnlab.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,6 @@ STRUCTURAL_KEYS = (
     "data.task",
     "optimizer.name",
 )
-# The parameter layout the checkpoints of a run dir hold, recorded in its run config. Layout 2:
-# layer 0 apart (`stack/layer_0`), layers 1 .. L-1 stacked [L-1, ...]. Run dirs without the
-# key were written by an earlier rnnlab with all L layers stacked under `stack/layers` when
-# model.scan_layers was true (layout 1); they are refused by name rather than left to fail
-# every restore as unreadable.
-PARAM_LAYOUT_KEY, PARAM_LAYOUT = "rnnlab.param_layout", 2
 
 
 class CheckpointError(RuntimeError):
@@ -72,13 +67,6 @@ class Checkpointer:
         if not path.exists():
             return
         saved = json.loads(path.read_text())
-        layout = saved.get(PARAM_LAYOUT_KEY, 1)
-        if layout != PARAM_LAYOUT and saved.get("model.scan_layers", True):
-            raise ConfigError(
-                f"key 'hydra.run.dir': the checkpoints in {self.directory} hold parameter layout {layout} (an earlier "
-                f"rnnlab, all layers stacked under stack/layers), this version reads layout {PARAM_LAYOUT} (layer 0 "
-                f"apart); resume it with the version that wrote it, or train in a new hydra.run.dir"
-            )
         for key in STRUCTURAL_KEYS:
             if key in saved and saved[key] != flat_config.get(key):
                 raise ConfigError(
@@ -88,18 +76,11 @@ class Checkpointer:
 
     def saved_run_config(self) -> dict[str, Any]:
         """The flat config this run dir was first trained with ({} if none was recorded)."""
-        path = self.directory / RUN_CONFIG_FILE
-        try:
-            return dict(json.loads(path.read_text()))
-        except (OSError, ValueError, TypeError):
-            return {}
+        return files.read_json_object(self.directory / RUN_CONFIG_FILE)
 
     def write_run_config(self, flat_config: Mapping[str, Any]) -> None:
-        """Record the config (and the parameter layout) that this run dir's checkpoints are trained with."""
-        path = self.directory / RUN_CONFIG_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**flat_config, PARAM_LAYOUT_KEY: PARAM_LAYOUT}, indent=2, sort_keys=True))
-        tmp.replace(path)
+        """Record the config that this run dir's checkpoints are trained with."""
+        files.write_json(self.directory / RUN_CONFIG_FILE, dict(flat_config))
 
     def restore_latest(self, target: Any) -> tuple[Any, int] | None:
         """(state, step) from the newest restorable checkpoint, or None if there is none.

@@ -12,26 +12,20 @@ import types
 import typing
 from typing import Any, Mapping, Optional
 
-CELLS = ("rnn", "lstm", "gru")
-INITS = ("uniform", "orthogonal", "identity", "default")
-ACTIVATIONS = ("tanh", "relu")
+from rnnlab import cells, tasks
+
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
 RECURRENCES = ("autodiff", "custom_vjp")
-TASKS = ("adding", "copy")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 STRATEGIES = ("pmap", "shard_map")
 
 NONFINITE_POLICIES = ("stop", "skip")
-# Train steps one dispatch may run: half of the 16 steps the loop lets queue (trainer.MAX_STEPS_IN_FLIGHT),
+# Train steps one dispatch may run: half of the 16 steps the loop lets queue (loop.MAX_STEPS_IN_FLIGHT),
 # so that one dispatch always runs while the host reads the one before.
 MAX_STEPS_PER_DISPATCH = 8
-
-# Shortest `seq_len` per task: adding needs room for its two markers; the copy task's
-# delay must be longer than the 10 symbols it recalls.
-MIN_SEQ_LEN = {"adding": 2, "copy": 11}
 
 
 class ConfigError(ValueError):
@@ -48,11 +42,10 @@ class ModelConfig:
     scan_layers: bool
     stack_init: str
     forget_bias: float
-    hoist_input: bool
     recurrence: str
     remat: bool
     dtype: str
-    unroll: Optional[int]  # None: per platform (rnnlab.models.default_unroll)
+    unroll: Optional[int]  # None: per platform, resolved by rnnlab.models.build_model
     dropout: float
 
 
@@ -81,7 +74,7 @@ class DeviceConfig:
     platform: str
     num_devices: Optional[int]
     strategy: str
-    steps_per_dispatch: Optional[int]  # None: per platform (rnnlab.trainer.default_steps_per_dispatch)
+    steps_per_dispatch: Optional[int]  # None: per platform (rnnlab.steps.default_steps_per_dispatch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +105,7 @@ class ProfileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    imports: tuple[str, ...]  # modules imported first: extensions that register cells and tasks
     seed: int
     steps: int
     batch_size: int
@@ -145,9 +139,23 @@ def from_omegaconf(cfg: Any) -> Config:
 def from_dict(values: Mapping[str, Any]) -> Config:
     """Plain nested dict -> validated `Config` (the test-friendly twin of `from_omegaconf`)."""
     values = {k: v for k, v in values.items() if k != "hydra"}
+    import_extensions(values.get("imports") or ())
     config = _build(Config, values, prefix="")
     validate(config)
     return config
+
+
+def import_extensions(modules: Any) -> None:
+    """Import the modules `imports` names, so that the cells and tasks they register can be chosen."""
+    import importlib
+
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise ConfigError(f"key 'imports': got {modules!r}, expected a list of module names")
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - any failure to import is bad input, named with its cause
+            raise ConfigError(f"key 'imports': cannot import {module!r} ({type(e).__name__}: {e})".splitlines()[0]) from None
 
 
 def replace(config: Config, **overrides: Any) -> Config:
@@ -192,6 +200,11 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
+    if origin is tuple:  # tuple[X, ...]: a list of X
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"key '{key}': got {value!r}, expected a list")
+        (inner, _) = typing.get_args(tp)
+        return tuple(_coerce(v, inner, key) for v in value)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
@@ -251,16 +264,34 @@ def validate(c: Config) -> None:
         _positive(key, getattr(c, key))
     _non_negative("seed", c.seed)
     _choice("on_nonfinite", c.on_nonfinite, NONFINITE_POLICIES)
+    _validate_model(c)
+    _choice("data.task", c.data.task, tasks.task_names())
+    min_len = tasks.get_task(c.data.task).min_seq_len
+    if c.data.seq_len < min_len:
+        raise ConfigError(f"key 'data.seq_len': got {c.data.seq_len}, the {c.data.task} task needs >= {min_len}")
+    _validate_optimizer(c.optimizer)
+    _validate_devices(c)
+    _non_negative("checkpoint.every", c.checkpoint.every)
+    _positive("checkpoint.keep", c.checkpoint.keep)
+    _positive("profile.start_step", c.profile.start_step)
+    _non_negative("profile.num_steps", c.profile.num_steps)
 
+
+def _validate_model(c: Config) -> None:
     m = c.model
-    _choice("model.cell", m.cell, CELLS)
-    _positive("model.hidden_dim", m.hidden_dim)
-    _positive("model.num_layers", m.num_layers)
-    _choice("model.init", m.init, INITS)
-    _choice("model.activation", m.activation, ACTIVATIONS)
+    _choice("model.cell", m.cell, cells.cell_names())
+    for key in ("hidden_dim", "num_layers"):  # the top-level key is the one source
+        if getattr(m, key) != getattr(c, key):
+            raise ConfigError(f"key 'model.{key}': got {getattr(m, key)}, but the top-level {key} is {getattr(c, key)}; "
+                              f"set the top-level key instead ({key}={getattr(m, key)})")
+    _choice("model.init", m.init, tuple(cells.INITIALIZERS))
+    _choice("model.activation", m.activation, tuple(cells.ACTIVATIONS))
     _choice("model.stack_init", m.stack_init, STACK_INITS)
     _choice("model.dtype", m.dtype, DTYPES)
     _choice("model.recurrence", m.recurrence, RECURRENCES)
+    if m.recurrence == "custom_vjp" and not cells.get_cell(m.cell)(m.hidden_dim).has_backward:
+        raise ConfigError(f"key 'model.recurrence': got 'custom_vjp', but cell {m.cell!r} has no hand-written "
+                          f"backward; allowed: autodiff")
     if m.recurrence == "custom_vjp" and m.remat:
         raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
                           "(the custom_vjp backward keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
@@ -269,12 +300,8 @@ def validate(c: Config) -> None:
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
 
-    _choice("data.task", c.data.task, TASKS)
-    min_len = MIN_SEQ_LEN[c.data.task]
-    if c.data.seq_len < min_len:
-        raise ConfigError(f"key 'data.seq_len': got {c.data.seq_len}, the {c.data.task} task needs >= {min_len}")
 
-    o = c.optimizer
+def _validate_optimizer(o: OptimizerConfig) -> None:
     _choice("optimizer.name", o.name, OPTIMIZERS)
     _positive("optimizer.lr", o.lr)
     _choice("optimizer.schedule", o.schedule, SCHEDULES)
@@ -288,6 +315,8 @@ def validate(c: Config) -> None:
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"key 'optimizer.{key}': got {value}, must be in [0, 1)")
 
+
+def _validate_devices(c: Config) -> None:
     d = c.distributed
     if d.num_processes is not None:
         _positive("distributed.num_processes", d.num_processes)
@@ -302,9 +331,3 @@ def validate(c: Config) -> None:
     k = c.device.steps_per_dispatch
     if k is not None and not 1 <= k <= MAX_STEPS_PER_DISPATCH:
         raise ConfigError(f"key 'device.steps_per_dispatch': got {k}, allowed: null or 1 .. {MAX_STEPS_PER_DISPATCH}")
-
-    _non_negative("checkpoint.every", c.checkpoint.every)
-    _positive("checkpoint.keep", c.checkpoint.keep)
-
-    _positive("profile.start_step", c.profile.start_step)
-    _non_negative("profile.num_steps", c.profile.num_steps)

@@ -3,13 +3,15 @@
 What is counted: **matrix multiplications only**, 2 FLOPs per multiply-add, for the
 model FLOPs of one forward + backward pass (the convention behind MFU: PaLM, Chowdhery
 et al. 2022, App. B), as the step computes them. With `B` batch, `T` time steps (the
-task's `total_len`), `I` inputs, `H` hidden units, `L` layers, `O` outputs and `G`
-gates (rnn 1, lstm 4, gru 3), one example and one time step cost, forward:
+task's `total_len`), `I` inputs, `H` hidden units, `L` layers, `O` outputs, `G` the
+cell's gate count (its input term is G*H wide) and `R` the matmul FLOPs of one cell step
+(`Cell.recurrent_flops`: 2 * H * G*H for h_{t-1} W_hh), one example and one time step
+cost, forward:
 
     first layer input  2 * I * G*H           x (P W_xh): the input projection P [I, H] folded
                                              into layer 0's W_xh (rnnlab.models.folds_projection)
-    per layer          2 * H * G*H           h_{t-1} W_hh, inside the time scan
-    layers 1 .. L-1    2 * H * G*H           x W_xh (hoisted before the scan or not: same count)
+    per layer          R                     the cell's step, inside the time scan
+    layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
 
 Backward: every matmul `Y = X W` costs two more of its size (dX = dY W^T and
@@ -28,13 +30,12 @@ their length) and tests/test_flops.py checks the two agree for every cell and op
 
 Not counted: elementwise work (bias adds, gate nonlinearities and products, the loss,
 dropout) and the optimizer update (O(H) per token and O(1) per parameter against
-O(G*H^2) per token for the matmuls). XLA's `cost_analysis()` of the same step, with
-the scans unrolled so that every iteration is counted, comes out 0.3-2.5% above this
-count at H=128, B*T=128 (more for LSTM, whose gates do the most elementwise work) and
-10-30% above it at H=32. `model.remat=true` recomputes each step's forward in the
-backward pass (`StepFlops.recompute`); that is hardware work, not model FLOPs, and
-is left out of MFU as the convention asks. The count does not depend on
-`model.dtype`, `unroll`, `hoist_input` or `scan_layers`; the peak does (per kind: dtype and precision).
+O(G*H^2) per token for the matmuls); XLA's `cost_analysis()` of the same step, which
+counts them, comes out a few percent above this count at H=128. `model.remat=true`
+recomputes each step's forward in the backward pass (`StepFlops.recompute`); that is
+hardware work, not model FLOPs, and is left out of MFU as the convention asks. The
+count does not depend on `model.dtype`, `unroll` or `scan_layers`; the peak does (per
+kind: dtype and precision).
 
 Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
@@ -50,8 +51,6 @@ devices share the cores of one process, so their peak is used once.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import platform
 import statistics
 import time
@@ -60,11 +59,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rnnlab import models, parallel
+from rnnlab import cpu, files, models
+from rnnlab.cells import get_cell
 from rnnlab.config import ModelConfig
-
-# Gate count per cell: the width of W_xh and W_hh is G*H (rnnlab/cells.py, PyTorch's order).
-NUM_GATES = {"rnn": 1, "lstm": 4, "gru": 3}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,24 +85,25 @@ class StepFlops:
 
 def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
-    h, gh, layers = model.hidden_dim, NUM_GATES[model.cell] * model.hidden_dim, model.num_layers
-    matmul = 2 * h * gh  # one [H, G*H] weight applied to one token
+    cell = get_cell(model.cell)(model.hidden_dim)
+    h, gh, layers = model.hidden_dim, cell.num_gates * model.hidden_dim, model.num_layers
+    matmul = 2 * h * gh  # one [H, G*H] input weight applied to one token
+    recurrent = cell.recurrent_flops()
     readout = 2 * h * output_dim
     if models.folds_projection(input_dim, h):
         first_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
-        forward = first_input + layers * matmul + (layers - 1) * matmul + readout
+        forward = first_input + layers * recurrent + (layers - 1) * matmul + readout
         backward = 2 * forward - first_input
         fold = 2 * input_dim * h * gh + matmul  # P W_xh and c W_xh, once per step
         per_step_forward, per_step_backward = fold, 2 * fold
     else:
         first_input = matmul  # x_1 W_xh of layer 0, its input x_1 = x P + c
         projection = 2 * input_dim * h
-        forward = projection + 2 * layers * matmul + readout
+        forward = projection + layers * (recurrent + matmul) + readout
         backward = 2 * forward - projection
         per_step_forward = per_step_backward = 0
-    # Remat reruns the scanned step: the recurrent matmul, and the input matmul when it is inside.
-    in_scan_input = 0 if model.hoist_input else first_input + (layers - 1) * matmul
-    recompute = layers * matmul + in_scan_input if model.remat else 0
+    # Remat reruns the scanned step: the cell's step and the input matmul (inside the scan on the autodiff path).
+    recompute = layers * recurrent + first_input + (layers - 1) * matmul if model.remat else 0
     return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
 
 
@@ -181,16 +179,14 @@ def model_peak_kind(dtype: str) -> str:
 
 
 def cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "rnnlab" / "peak_flops.json"
+    return files.cache_dir() / "peak_flops.json"
 
 
 def device_key(device: Any) -> str:
     """A name for the device kind; on CPU the processor model and the count of cores this process
     may use (device_kind is just 'cpu'). The cores, not the host's: a process pinned to one
-    (`RNNLAB_PIN_CPU=1`, `taskset`) reaches about half a 2-core host's matmul peak (104.5
-    against 186.8 GFLOP/s on the README's VM), so it needs a peak of its own, and must not
-    cache its own under the whole host's key."""
+    (`RNNLAB_PIN_CPU=1`, `taskset`) reaches about half a 2-core host's matmul peak, so it
+    needs a peak of its own, and must not cache its own under the whole host's key."""
     if device.platform != "cpu":
         return f"{device.platform}:{device.device_kind}"
     model = platform.processor() or platform.machine()
@@ -201,14 +197,11 @@ def device_key(device: Any) -> str:
                 break
     except OSError:
         pass
-    return f"cpu:{model}:{parallel.host_cores()} cores"
+    return f"cpu:{model}:{cpu.host_cores()} cores"
 
 
 def load_peaks() -> dict:
-    try:
-        return json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
+    return files.read_json_object(cache_path())
 
 
 def save_peak(device: Any, kind: str, peak: float, source: str, **extra: Any) -> None:
@@ -218,9 +211,7 @@ def save_peak(device: Any, kind: str, peak: float, source: str, **extra: Any) ->
     entry = {"flops_per_sec": peak, "source": source, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
     peaks.setdefault(device_key(device), {})[kind] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(peaks, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    files.write_json(path, peaks)
 
 
 def measure_matmul_flops(n: int, kind: str, device: Any = None, repeats: int = 10, min_seconds: float = 0.05) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -13,8 +12,14 @@ from typing import Any, Iterator, Mapping
 from tensorboardX import SummaryWriter
 from tensorboardX.summary import hparams as hparams_summaries
 
-# The final values the HParams dashboard shows beside each run's hyper-parameters.
-HPARAM_METRIC_TAGS = ("eval/loss", "train/loss", "perf/tokens_per_sec")
+from rnnlab import files
+
+
+
+def hparam_metric_tags(metric_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The scalars the HParams dashboard shows beside each run's hyper-parameters: eval loss,
+    every eval metric of the task (`metric_names`), train loss and tokens/s."""
+    return ("eval/loss", *(f"eval/{name}" for name in metric_names), "train/loss", "perf/tokens_per_sec")
 
 
 class MetricWriter:
@@ -33,10 +38,10 @@ class MetricWriter:
             if value is not None:
                 self._writer.add_scalar(tag, float(value), global_step=step)
 
-    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Register the run with the HParams plugin (its metrics are the HPARAM_METRIC_TAGS scalars)."""
+    def write_hparams(self, hparams: Mapping[str, Any], metric_tags: tuple[str, ...]) -> None:
+        """Register the run with the HParams plugin, its metrics the scalars `metric_tags`."""
         values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
-        experiment, session_start, _ = hparams_summaries(values, {tag: 0.0 for tag in HPARAM_METRIC_TAGS})
+        experiment, session_start, _ = hparams_summaries(values, {tag: 0.0 for tag in metric_tags})
         file_writer = self._writer._get_file_writer()
         file_writer.add_summary(experiment)
         file_writer.add_summary(session_start)
@@ -94,10 +99,8 @@ def finite_or_none(value: float | None) -> float | None:
 
 
 def write_results(path: Path, results: Mapping[str, Any]) -> None:
-    """Write results.json atomically (temp file + rename): a reader never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(dict(results), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    """Write results.json atomically: a reader never sees half a file."""
+    files.write_json(path, dict(results))
 
 
 class JobFailed(RuntimeError):

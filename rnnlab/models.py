@@ -2,13 +2,13 @@
 with a scan), a readout.
 
 Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers and
-`G` the cell's gate count (1 rnn, 4 lstm, 3 gru; see `rnnlab.cells`).
+`G` the cell's gate count (`num_gates` of the registered cell: the input term is G*H wide).
 
 Parameter layout (`model.scan_layers=true`, the default)::
 
     input_proj/{kernel f32[I, H], bias f32[H]}
-    stack/layer_0/{W_xh f32[H, G*H], b f32[G*H], cell/W_hh f32[H, G*H]}   (gru also cell/b_hn f32[H])
-    stack/layers/{W_xh f32[L-1, H, G*H], b f32[L-1, G*H], cell/W_hh f32[L-1, H, G*H]}   <- stacked on axis 0
+    stack/layer_0/{W_xh f32[H, G*H], b f32[G*H], cell/{the cell's param_specs, e.g. W_hh f32[H, G*H]}}
+    stack/layers/{W_xh f32[L-1, H, G*H], b f32[L-1, G*H], cell/{... f32[L-1, ...]}}   <- stacked on axis 0
     readout/{kernel f32[H, O], bias f32[O]}
 
 Layers 1 .. L-1 are one `nn.scan` (absent when L = 1). The first layer stands apart
@@ -21,13 +21,14 @@ bfloat16 they are cast at use and the readout's output is cast back to float32 f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells import ACTIVATIONS, CELLS, RecurrentWeights, initializers, per_gate  # noqa: F401  (re-exported)
+from rnnlab.cells import Cell, get_cell
 from rnnlab.config import ModelConfig
 from rnnlab.recurrence import linear, recurrence
 
@@ -37,10 +38,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 def default_unroll(platform: str) -> int:
     """`model.unroll=null`: time steps per iteration of the time scans' loops on `platform`.
 
-    On CPU unrolling gained nothing (2 and 4 were up to 1.2x slower in
-    scripts/benchmark.py). On a GPU every loop iteration has a fixed cost beyond its
-    kernels' work, and 8 steps an iteration made the benchmark's train steps 1.2-4.2x
-    faster than 1 on an H100, and 16 within 0.92-1.09x of 8 (README). TPUs are
+    On CPU unrolling gained nothing; on a GPU every loop iteration has a fixed cost beyond
+    its kernels' work, which unrolling spreads (docs/performance-notes.md). TPUs are
     untested and get the GPU's setting.
     """
     return 1 if platform == "cpu" else 8
@@ -55,8 +54,8 @@ def folds_projection(input_dim: int, hidden_dim: int) -> bool:
     `P W_xh`; x is data), against [I, H] + [H, G*H] forward and [I, H] + two
     [H, G*H]-sized ones backward; the fold's own products (`P W_xh`, their gradients)
     are per step, not per token. Per token that is 2 I G H against 2 I H + 3 G H^2
-    multiply-adds: folding is cheaper whenever I < 3GH / (2(G - 1)), always for the
-    Elman cell, and the rule here, I < 2H, is within that bound for every cell (the
+    multiply-adds: folding is cheaper whenever I < 3GH / (2(G - 1)), always for a
+    cell with G = 1, and the rule here, I < 2H, is within that bound for every cell (the
     tasks here have I = 2 or 10).
     """
     return input_dim < 2 * hidden_dim
@@ -82,29 +81,37 @@ class InputProjection(nn.Module):
         return kernel, bias
 
 
+class CellParams(nn.Module):
+    """A cell's recurrent parameters, created as its `param_specs` declare them (under `cell/`)."""
+
+    cell: Cell
+
+    @nn.compact
+    def __call__(self) -> dict[str, jax.Array]:
+        return {name: self.param(name, init, shape) for name, (shape, init) in self.cell.param_specs().items()}
+
+
 class RecurrentLayer(nn.Module):
-    """One layer over a whole sequence: a cell (`rnnlab.cells`) scanned over time with `nn.scan`.
+    """One layer over a whole sequence: a registered cell (`rnnlab.cells`) scanned over time.
 
     Time-major, like the whole stack: the model transposes its small input and output
-    once instead of each layer transposing the [B, T, H] sequence in and out.
-
-    The input term `x W_xh + b` (f32[T, B, G*H]) is one matmul over all time steps
-    before the scan (`hoist_input`), or `x_t W_xh + b` inside it (the same function;
-    on a 2-core CPU the in-scan form measured faster, see scripts/bench_cells.py). Call
-    signature `(carry, unused) -> (carry, None)` so the layer itself can be scanned
-    over the stack; the carry is the sequence. The first layer of a model gets the raw
-    input and the input projection's `(kernel, bias)` as `projection`, and folds them
+    once instead of each layer transposing the [B, T, H] sequence in and out. With
+    `recurrence="custom_vjp"` the input term `x W_xh` is one matmul before the scan and the
+    cell's hand-written backward differentiates the scan (`rnnlab.recurrence`); with
+    "autodiff" the input term is computed inside the scan and `jax.grad` differentiates
+    it. Call signature `(carry, unused) -> (carry, None)` so the layer itself can be
+    scanned over the stack; the carry is the sequence. The first layer of a model gets the
+    raw input and the input projection's `(kernel, bias)` as `projection`, and folds them
     into its input weights (`fold_projection`).
     """
 
     hidden_dim: int
-    init_scheme: str = "uniform"  # see `initializers` (not `init`: that is Module.init)
+    cell: str  # a registered cell's name
+    init_scheme: str = "uniform"  # see `rnnlab.cells.INITIALIZERS` (not `init`: that is Module.init)
     activation: str = "tanh"
-    cell: str = "rnn"  # a key of rnnlab.cells.CELLS
-    forget_bias: float = 1.0  # lstm: initial bias of the forget gate
-    hoist_input: bool = True  # input matmul for all time steps before the scan (autodiff only)
-    recurrence: str = "autodiff"  # autodiff: jax.grad of the scanned cell | custom_vjp: rnnlab.recurrence
-    remat: bool = False  # recompute each step in the backward pass instead of storing it
+    forget_bias: float = 1.0  # initial forget-gate bias, for cells that have one
+    recurrence: str = "autodiff"  # autodiff: jax.grad of the scanned cell | custom_vjp: the cell's own backward
+    remat: bool = False  # recompute each step in the backward pass instead of storing it (autodiff)
     unroll: int = 1  # time steps per iteration of the scan's loop
     dtype: Any = jnp.float32  # compute dtype
     dropout: float = 0.0  # dropout rate on this layer's output (`dropout` rng)
@@ -117,39 +124,32 @@ class RecurrentLayer(nn.Module):
         projection: None, or the input projection's (kernel f32[I, H], bias f32[H]), which
         this layer applies before its own input weights W_xh: f32[H, G*H].
         """
-        cell_cls = CELLS[self.cell]
-        gates = cell_cls.num_gates
-        input_init, _ = initializers(self.init_scheme)
+        cell = get_cell(self.cell)(self.hidden_dim, self.init_scheme, self.activation, self.forget_bias)
+        width = cell.num_gates * self.hidden_dim
         fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
-        w_xh = self.param("W_xh", per_gate(input_init, gates), (fan_in, gates * self.hidden_dim))
-        b = self.param("b", cell_cls.bias_init(self.forget_bias), (gates * self.hidden_dim,))
+        w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
+        b = self.param("b", cell.bias_init(), (width,))
+        params = CellParams(cell, name="cell")()
         if projection is not None and folds_projection(x.shape[-1], self.hidden_dim):
             w_xh, b = fold_projection(projection, w_xh, b)
         elif projection is not None:
             kernel, bias = (a.astype(self.dtype) for a in projection)
             x = x.astype(self.dtype) @ kernel + bias
         x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
+        params = jax.tree_util.tree_map(lambda p: p.astype(self.dtype), params)
         if self.recurrence == "custom_vjp":
-            w_hh, b_hn = RecurrentWeights(self.hidden_dim, self.cell, self.init_scheme, name="cell")()
-            b_hn = None if b_hn is None else b_hn.astype(self.dtype)
-            hs = recurrence(self.cell, self.activation, self.unroll, linear(x, w_xh), b, w_hh.astype(self.dtype), b_hn)
+            hs = recurrence(cell, self.unroll, linear(x, w_xh), b, params)
             return self._dropout(hs), None
-        hoist = self.hoist_input
 
-        def step(cell: nn.Module, carry: Any, x_t: jax.Array) -> tuple[Any, jax.Array]:
-            """x_t: [B, G*H] (the input term) if hoisted, else [B, I]."""
-            return cell(carry, x_t if hoist else x_t @ w_xh + b)
+        def step(carry: Any, x_t: jax.Array) -> tuple[Any, jax.Array]:
+            carry, h, _ = cell.step(params, carry, x_t @ w_xh + b)
+            return carry, h
 
         if self.remat:
-            step = nn.remat(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
+            step = jax.checkpoint(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
         # Time-major: slicing step t off a leading axis is a contiguous read (and its
         # gradient a contiguous write), unlike a slice of axis 1.
-        time_scan = nn.scan(
-            step, variable_broadcast="params", split_rngs={"params": False}, unroll=self.unroll,
-        )
-        cell = cell_cls(self.hidden_dim, self.init_scheme, self.activation, self.dtype, name="cell")
-        xs = x @ w_xh + b if hoist else x  # [T, B, G*H] or [T, B, I]
-        _, hs = time_scan(cell, cell_cls.initial_carry(x[0], self.hidden_dim), xs)
+        _, hs = jax.lax.scan(step, cell.initial_carry(x[0]), x, unroll=self.unroll)
         return self._dropout(hs), None
 
     def _dropout(self, hs: jax.Array) -> jax.Array:
@@ -220,10 +220,12 @@ class RecurrentModel(nn.Module):
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         """x: f32[B, T, I] -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng)."""
         c = self.config
+        if c.unroll is None:
+            raise ValueError("model.unroll is null: build the model with rnnlab.models.build_model, which resolves it")
         dtype = DTYPES[c.dtype]
         layer_options = (
-            ("cell", c.cell), ("forget_bias", c.forget_bias), ("hoist_input", c.hoist_input), ("recurrence", c.recurrence),
-            ("remat", c.remat), ("unroll", c.unroll or default_unroll(jax.default_backend())),
+            ("cell", c.cell), ("forget_bias", c.forget_bias), ("recurrence", c.recurrence),
+            ("remat", c.remat), ("unroll", c.unroll),
             ("dtype", dtype), ("dropout", c.dropout),
             ("deterministic", not train),
         )
@@ -233,6 +235,13 @@ class RecurrentModel(nn.Module):
                        layer_options, name="stack")(x, projection)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
         return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
+
+
+def build_model(config: ModelConfig, output_dim: int, platform: str | None = None) -> RecurrentModel:
+    """The model of `config` for a task with `output_dim` outputs, trained on `platform` (default:
+    JAX's default backend), with `model.unroll=null` resolved for that platform (`default_unroll`)."""
+    unroll = config.unroll or default_unroll(platform or jax.default_backend())
+    return RecurrentModel(dataclasses.replace(config, unroll=unroll), output_dim)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:

@@ -1,6 +1,5 @@
-"""Measure the model options of issue 3, side by side in one process.
+"""Measure model options that are not about step time, side by side in one process.
 
-    python scripts/bench_cells.py hoist   # forward+backward time, input matmul hoisted vs inside the scan
     python scripts/bench_cells.py init    # init + compile time of the stacked layers, scan vs vmap init
     python scripts/bench_cells.py remat   # XLA's peak temp memory of the compiled gradient, remat on vs off
 
@@ -24,51 +23,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from rnnlab import parallel  # noqa: E402
+from rnnlab import cpu  # noqa: E402
 from rnnlab.config import ModelConfig  # noqa: E402
-from rnnlab.models import RecurrentModel  # noqa: E402
+from rnnlab.models import build_model  # noqa: E402
 
 BASE = ModelConfig(
     cell="rnn", hidden_dim=64, num_layers=1, init="orthogonal", activation="tanh", scan_layers=True,
-    stack_init="scan", forget_bias=1.0, hoist_input=True, recurrence="autodiff", remat=False, dtype="float32", unroll=1, dropout=0.0,
+    stack_init="scan", forget_bias=1.0, recurrence="autodiff", remat=False, dtype="float32", unroll=1, dropout=0.0,
 )
-
-
-def grad_fn(config: ModelConfig, batch: int, seq_len: int, input_dim: int = 2):
-    """(jitted loss-and-gradient of a mean-square loss, params, inputs)."""
-    model = RecurrentModel(config, 1)
-    x = jax.random.normal(jax.random.key(0), (batch, seq_len, input_dim))
-    params = jax.jit(model.init)(jax.random.key(1), x)["params"]
-    return jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2))), params, x
-
-
-def bench_hoist(args) -> None:
-    print(f"forward+backward of one batch, B={args.batch} T={args.seq_len} H={args.hidden} L={args.layers}, "
-          f"ms per call (median of {args.repeats} rounds of {args.calls} calls)\n")
-    print("| cell | hoisted | in-scan | speed-up |\n|---|---|---|---|")
-    for cell in args.cells:
-        fns = {}
-        for hoist in (True, False):
-            config = dataclasses.replace(BASE, cell=cell, hidden_dim=args.hidden, num_layers=args.layers, hoist_input=hoist)
-            fn, params, x = grad_fn(config, args.batch, args.seq_len)
-            jax.block_until_ready(fn(params, x))  # compile
-            fns[hoist] = (fn, params, x)
-        times = {True: [], False: []}
-        for _ in range(args.repeats):
-            for hoist, (fn, params, x) in fns.items():
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    out = fn(params, x)
-                jax.block_until_ready(out)
-                times[hoist].append((time.perf_counter() - start) / args.calls * 1e3)
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        print(f"| {cell} | {on:.2f} | {off:.2f} | {off / on:.2f}x |", flush=True)
 
 
 def init_seconds(config: ModelConfig, batch: int, seq_len: int) -> tuple[float, float]:
     """(trace+lower+compile seconds, run seconds) of jit(model.init), caches cleared first."""
     jax.clear_caches()
-    model = RecurrentModel(config, 1)
+    model = build_model(config, 1)
     x = jnp.zeros((batch, seq_len, 2))
     key = jax.random.key(0)
     start = time.perf_counter()
@@ -97,29 +65,25 @@ def bench_init(args) -> None:
 
 
 def bench_remat(args) -> None:
-    print(f"compiled loss-and-gradient, B={args.batch} H={args.hidden} L={args.layers}: XLA memory_analysis() "
-          "temp_size_in_bytes (peak scratch, excludes params/inputs/outputs), MiB\n")
-    print("| cell | T | hoisted | hoisted + remat | ratio | in-scan | in-scan + remat | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"compiled loss-and-gradient, B={args.batch} H={args.hidden} L={args.layers}, model.recurrence=autodiff: "
+          "XLA memory_analysis() temp_size_in_bytes (peak scratch, excludes params/inputs/outputs), MiB\n")
+    print("| cell | T | no remat | remat | ratio |\n|---|---|---|---|---|")
     for cell in args.cells:
         for seq_len in args.seq_lens:
             mib = {}
-            for hoist in (True, False):
-                for remat in (False, True):
-                    config = dataclasses.replace(BASE, cell=cell, hidden_dim=args.hidden, num_layers=args.layers,
-                                                 hoist_input=hoist, remat=remat)
-                    model = RecurrentModel(config, 1)
-                    x = jnp.zeros((args.batch, seq_len, 2))
-                    params = jax.jit(model.init)(jax.random.key(0), x[:, :2])["params"]
-                    fn = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)))
-                    mib[hoist, remat] = fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes / 2**20
-            cols = [f"{mib[h, False]:.1f} | {mib[h, True]:.1f} | {mib[h, True] / mib[h, False]:.2f}" for h in (True, False)]
-            print(f"| {cell} | {seq_len} | {cols[0]} | {cols[1]} |", flush=True)
+            for remat in (False, True):
+                config = dataclasses.replace(BASE, cell=cell, hidden_dim=args.hidden, num_layers=args.layers, remat=remat)
+                model = build_model(config, 1)
+                x = jnp.zeros((args.batch, seq_len, 2))
+                params = jax.jit(model.init)(jax.random.key(0), x[:, :2])["params"]
+                fn = jax.jit(jax.value_and_grad(lambda p, x: jnp.mean(model.apply({"params": p}, x) ** 2)))
+                mib[remat] = fn.lower(params, x).compile().memory_analysis().temp_size_in_bytes / 2**20
+            print(f"| {cell} | {seq_len} | {mib[False]:.1f} | {mib[True]:.1f} | {mib[True] / mib[False]:.2f} |", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["hoist", "init", "remat"])
+    parser.add_argument("what", choices=["init", "remat"])
     parser.add_argument("--cells", nargs="+", default=["rnn", "lstm", "gru"])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=1)
@@ -130,9 +94,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
-    parallel.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
+    cpu.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.2f} at start\n")
-    {"hoist": bench_hoist, "init": bench_init, "remat": bench_remat}[args.what](args)
+    {"init": bench_init, "remat": bench_remat}[args.what](args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
 
 

@@ -9,7 +9,7 @@
     python scripts/benchmark.py --rows 0 --dispatch 1 4 8         # steps per dispatch: what launching a step costs
 
 The main columns time the step as `python train.py` runs it: the training loop's own
-compiled dispatch (`trainer._p_train_steps`, state donated) with the platform's default
+compiled dispatch (`steps.make_dispatch`, state donated) with the platform's default
 `device.steps_per_dispatch` (8 on CPU: 8 train steps in one `fori_loop` per call; 1 on
 GPU/TPU), each step drawing its adding-task batch on the devices, Adam, no clipping
 (clip_norm=0 on all sides), time per step = time per call / steps. Beside them,
@@ -57,8 +57,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rnnlab import config as cfg  # noqa: E402
-from rnnlab import data, flops, parallel, trainer  # noqa: E402
-from rnnlab.models import RecurrentModel  # noqa: E402
+from rnnlab import cpu, flops, loop, parallel, steps, tasks, trainer  # noqa: E402
+from rnnlab.cells import cell_names, get_cell  # noqa: E402
+from rnnlab.models import build_model  # noqa: E402
 
 GRID = [  # (hidden H, batch B, time steps T, layers L)
     (100, 32, 100, 1),
@@ -86,34 +87,34 @@ def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = (
         return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=overrides))
 
 
-def replicated_state(config: cfg.Config, task: data.Task, devices: list) -> tuple:
+def replicated_state(config: cfg.Config, task: tasks.Task, devices: list) -> tuple:
     """(the initial train state replicated on `devices`, the learning-rate schedule), as train.py
     builds them (optimizer schedule over 1000 steps)."""
-    model = RecurrentModel(config.model, task.output_dim)
-    tx, schedule = trainer.make_optimizer(config.optimizer, 1000)
+    model = build_model(config.model, task.output_dim)
+    tx, schedule = steps.make_optimizer(config.optimizer, 1000)
     example = jnp.zeros((config.batch_size // len(devices), task.total_len, task.input_dim))
-    return parallel.replicate(trainer.create_train_state(jax.random.key(0), model, example, tx), devices), schedule
+    return parallel.replicate(steps.create_train_state(jax.random.key(0), model, example, tx), devices), schedule
 
 
 class RnnlabStep:
     """rnnlab's pmapped train step on `num_devices` devices, as the training loop builds it."""
 
     def __init__(self, config: cfg.Config, num_devices: int = 1):
-        self.task = data.make_task(config.data)
+        self.task = tasks.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
         self.state, schedule = replicated_state(config, self.task, self.devices)
         per_device = config.batch_size // num_devices
-        sampler = trainer.pmap_sampler(self.task, data.stream_key(0, 0), per_device, self.devices)
+        sampler = steps.pmap_sampler(self.task, tasks.stream_key(0, 0), per_device, self.devices)
         self.batch = sampler(np.zeros(num_devices, np.int32))  # leaves [num_devices, B / num_devices, ...]
         self.p_step = jax.pmap(
-            lambda s, b: trainer.train_step(s, b, self.task, schedule),
+            lambda s, b: steps.train_step(s, b, self.task, schedule),
             axis_name=parallel.AXIS, devices=self.devices, donate_argnums=(0,),
         )
         t0 = time.perf_counter()
         self.p_step = self.p_step.lower(self.state, self.batch).compile()
         self.compile_seconds = time.perf_counter() - t0
 
-    def global_batch(self) -> data.Batch:
+    def global_batch(self) -> tasks.Batch:
         """The whole batch (every device's shard, in order) as host arrays [B, ...]: what torch and
         flax get, so that all frameworks do the same work whatever rnnlab's device count."""
         return jax.tree_util.tree_map(lambda x: np.asarray(x).reshape(-1, *x.shape[2:]), self.batch)
@@ -121,7 +122,7 @@ class RnnlabStep:
     def __call__(self, n: int) -> None:
         for i in range(n):
             self.state, metrics = self.p_step(self.state, self.batch)
-            if (i + 1) % trainer.MAX_STEPS_IN_FLIGHT == 0:  # as the training loop does: pmap over
+            if (i + 1) % loop.MAX_STEPS_IN_FLIGHT == 0:  # as the training loop does: pmap over
                 jax.block_until_ready(metrics)  # simulated CPU devices aborts with too many in flight
         jax.block_until_ready((self.state, metrics))
 
@@ -157,7 +158,7 @@ def parse_xla_options(text: str) -> dict:
 
 
 class LoopDispatch:
-    """The training loop's compiled dispatch (`trainer._p_train_steps`) on `num_devices` devices:
+    """The training loop's compiled dispatch (`steps.make_dispatch`) on `num_devices` devices:
     `steps_per_dispatch` train steps per call, each drawing its batch on the devices, metrics
     stacked, state donated. With the platform's default count this is the step as train.py
     runs it. Called with a step count that is a multiple of `steps_per_dispatch`."""
@@ -167,22 +168,22 @@ class LoopDispatch:
         """steps_per_dispatch: None takes config's `device.steps_per_dispatch`, or the platform's default.
         compiler_options: XLA options for this dispatch's compilation (`CompilerOptionsPmap`)."""
         platform = jax.devices()[0].platform
-        self.k = steps_per_dispatch or config.device.steps_per_dispatch or trainer.default_steps_per_dispatch(platform)
-        self.task = data.make_task(config.data)
+        self.k = steps_per_dispatch or config.device.steps_per_dispatch or steps.default_steps_per_dispatch(platform)
+        self.task = tasks.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
         self.state, schedule = replicated_state(config, self.task, self.devices)
         if compiler_options:
             dp = CompilerOptionsPmap(self.devices, compiler_options)
         else:
             dp = parallel.DataParallel(self.devices, "pmap")
-        self.dispatch = trainer._p_train_steps(config, self.task, schedule, dp, config.batch_size // num_devices, self.k)
+        self.dispatch = steps.make_dispatch(config, self.task, schedule, dp, config.batch_size // num_devices, self.k)
         self(self.k)  # compile
 
     def __call__(self, n: int) -> None:
         assert n % self.k == 0, (n, self.k)
         queued = collections.deque()  # metrics of the dispatches in flight, oldest first
         for _ in range(n // self.k):
-            while len(queued) * self.k + self.k > trainer.MAX_STEPS_IN_FLIGHT:  # at most 16 steps queued,
+            while len(queued) * self.k + self.k > loop.MAX_STEPS_IN_FLIGHT:  # at most 16 steps queued,
                 jax.block_until_ready(queued.popleft())  # as in the loop: wait for the oldest only
             self.state, metrics = self.dispatch(self.state, self.k)
             queued.append(metrics)
@@ -194,7 +195,7 @@ class FlaxStep:
 
     CELLS = {"rnn": "SimpleCell", "lstm": "LSTMCell", "gru": "GRUCell"}
 
-    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: data.Batch):
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch):
         import flax.linen as nn
         import optax
 
@@ -235,10 +236,10 @@ class TorchStep:
     """torch.nn.RNN/LSTM/GRU with the same input and readout Linear layers, MSE and Adam, on the
     GPU (cuDNN's RNN kernels) when JAX runs on one and torch sees CUDA, else on the CPU."""
 
-    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: data.Batch):
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch):
         import torch
 
-        rnn_cls = {"rnn": torch.nn.RNN, "lstm": torch.nn.LSTM, "gru": torch.nn.GRU}[cell]
+        rnn_cls = getattr(torch.nn, get_cell(cell).torch_class)
         torch.manual_seed(0)
         self.torch = torch
         self.cuda = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
@@ -264,10 +265,10 @@ class TorchStep:
 
 def default_device_count(batch: int) -> int:
     """The most devices train.py tries with device.num_devices=null: on CPU, one simulated device
-    per core that the batch divides into (rnnlab.parallel.cpu_device_count); one device elsewhere."""
+    per core that the batch divides into (rnnlab.cpu.cpu_device_count); one device elsewhere."""
     if jax.devices()[0].platform != "cpu":
         return 1
-    return parallel.cpu_device_count(batch, min(parallel.max_cpu_devices(), len(jax.devices())))
+    return cpu.cpu_device_count(batch, min(cpu.max_cpu_devices(), len(jax.devices())))
 
 
 def timed(fn, n: int) -> float:
@@ -369,7 +370,7 @@ def loop_vs_step(args, peak: float | None) -> list[dict]:
     import tempfile
 
     rows = []
-    dispatch_sizes = dict.fromkeys([trainer.default_steps_per_dispatch(jax.devices()[0].platform), 1])
+    dispatch_sizes = dict.fromkeys([steps.default_steps_per_dispatch(jax.devices()[0].platform), 1])
     print(f"training loop vs bare step: {args.loop} steps, log_every/eval_every/checkpoint.every at their "
           f"defaults (100/500/500), steps per dispatch {', '.join(map(str, dispatch_sizes))} | load {load():.2f}")
     for cell in args.cells:
@@ -442,13 +443,13 @@ def dispatch_sizes(args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cells", nargs="+", default=list(cfg.CELLS), choices=cfg.CELLS)
+    parser.add_argument("--cells", nargs="+", default=[n for n in cell_names() if get_cell(n).torch_class], choices=cell_names())
     parser.add_argument("--rows", nargs="+", type=int, default=list(range(len(GRID))), help=f"indices into {GRID}")
     parser.add_argument("--shapes", nargs="+", metavar="H,B,T,L", help="time these shapes instead of --rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per framework (median kept)")
     parser.add_argument("--min-seconds", type=float, default=1.0, help="each repeat runs enough steps to last about this")
     parser.add_argument("--override", nargs="*", default=[], help="extra rnnlab config overrides, e.g. model.unroll=4")
-    parser.add_argument("--torch-threads", type=int, default=parallel.host_cores(), help="torch.set_num_threads (default: the cores this process may use)")
+    parser.add_argument("--torch-threads", type=int, default=cpu.host_cores(), help="torch.set_num_threads (default: the cores this process may use)")
     parser.add_argument("--devices", nargs="*", type=int, default=[1],
                         help="other rnnlab device counts timed beside the main column (which uses what train.py "
                              "picks: on CPU one simulated device per core that the batch divides into)")
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--xla-variant times the step table's rows; it does not apply to --compile-layers, --loop or --dispatch")
     if not all(parse_xla_options(options) for options in args.xla_variant):
         parser.error("--xla-variant: each option set needs at least one name=value")
-    parallel.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
+    cpu.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
 
     if args.compile_layers:
         out = {"compile_vs_layers": compile_vs_layers(args)}
@@ -481,7 +482,7 @@ def main(argv: list[str] | None = None) -> dict:
         return out
 
     # Before anything starts the backend: enough simulated CPU devices for train.py's choice and --devices.
-    jax.config.update("jax_num_cpu_devices", max([parallel.max_cpu_devices(), *args.devices]))
+    jax.config.update("jax_num_cpu_devices", max([cpu.max_cpu_devices(), *args.devices]))
     try:
         import torch
 

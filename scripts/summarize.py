@@ -128,9 +128,12 @@ class Sweep:
         parts = [f"{k.split('.')[-1]}={short(self.overrides[i][k])}" for k in self.swept if k in self.overrides[i]]
         return " ".join(parts) or self.name(i)
 
-    def metric_name(self) -> str:
-        names = {r.get("eval_metric_name") for r in self.results if r.get("eval_metric_name")}
-        return names.pop() if len(names) == 1 else "metric"
+    def metric_names(self) -> list[str]:
+        """The eval metrics the jobs' tasks report (results.json's `eval_metrics`), in order."""
+        names: dict[str, None] = {}
+        for r in self.results:
+            names.update(dict.fromkeys(r.get("eval_metrics") or {}))
+        return list(names)
 
     def rows(self) -> list[dict[str, Any]]:
         """Table rows (display strings) in job order; the best completed eval loss is starred."""
@@ -146,7 +149,8 @@ class Sweep:
             rows.append({
                 "job": number.group(1) if number and self.swept else self.name(i),
                 **{k: short(self.overrides[i].get(k, "")) for k in self.swept},
-                "status": status, "eval loss": loss, f"eval {self.metric_name()}": fmt(r.get("eval_metric")),
+                "status": status, "eval loss": loss,
+                **{f"eval {m}": fmt((r.get("eval_metrics") or {}).get(m)) for m in self.metric_names()},
                 "baseline": fmt(r.get("baseline_loss")), "tokens/s": fmt(r.get("tokens_per_sec"), ","),
                 "MFU": fmt(r.get("mfu"), ".2%"), "wall s": fmt(r.get("wall_seconds"), ".1f"),
             })
@@ -165,13 +169,15 @@ class Sweep:
 
     def csv(self) -> str:
         keys = sorted({k for o in self.overrides for k in o})
-        fields = ["status", "error", "eval_loss", "eval_metric", "eval_metric_name", "baseline_loss", "tokens_per_sec",
+        fields = ["status", "error", "eval_loss", "baseline_loss", "tokens_per_sec",
                   "mfu", "wall_seconds", "step", "num_params", "compile_seconds"]
+        metrics = self.metric_names()
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["job", *keys, *fields])
+        writer.writerow(["job", *keys, *fields, *(f"eval_{m}" for m in metrics)])
         for i, r in enumerate(self.results):
-            writer.writerow([self.name(i), *(self.overrides[i].get(k, "") for k in keys), *(r.get(f, "") for f in fields)])
+            writer.writerow([self.name(i), *(self.overrides[i].get(k, "") for k in keys), *(r.get(f, "") for f in fields),
+                             *((r.get("eval_metrics") or {}).get(m, "") for m in metrics)])
         return out.getvalue()
 
     def read_curves(self) -> list[dict]:
@@ -237,10 +243,12 @@ def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
     for i in done:
         groups.setdefault(tuple(sweep.overrides[i].get(k, "") for k in others), []).append(i)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    fields = (("eval_metric", f"final eval {sweep.metric_name()}"), ("tokens_per_sec", "tokens/s"))
+    headline = (sweep.metric_names() or ["loss"])[0]  # the task's first metric, else the eval loss
+    fields = ((lambda r: (r.get("eval_metrics") or {}).get(headline, r.get("eval_loss") if headline == "loss" else None),
+               f"final eval {headline}"), (lambda r: r.get("tokens_per_sec"), "tokens/s"))
     for ax, (field, title) in zip(axes, fields):
         for key, members in sorted(groups.items(), key=lambda item: [natural(v) for v in item[0]]):
-            pts = sorted((x_of(sweep.overrides[i][param]), sweep.results[i].get(field)) for i in members)
+            pts = sorted((x_of(sweep.overrides[i][param]), field(sweep.results[i])) for i in members)
             pts = [(x, y) for x, y in pts if y is not None]
             label = " ".join(f"{k.split('.')[-1]}={short(v)}" for k, v in zip(others, key))
             if pts:
@@ -255,7 +263,7 @@ def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
         if len(groups) > 1:
             ax.legend(fontsize=7)
     baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
-    if sweep.metric_name() in ("mse", "loss") and len(baselines) == 1:
+    if headline in ("mse", "loss") and len(baselines) == 1:  # a metric in the loss's units
         axes[0].axhline(baselines.pop(), color="grey", linestyle="--", linewidth=1, label="baseline")
     fig.tight_layout()
     path = out / f"sweep_{re.sub(r'[^A-Za-z0-9_.-]', '_', param)}.png"

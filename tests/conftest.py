@@ -16,7 +16,7 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from rnnlab.parallel import set_cpu_xla_flags  # noqa: E402
+from rnnlab.cpu import set_cpu_xla_flags  # noqa: E402
 
 # As train.py does before JAX starts: this process and its train.py subprocesses compile alike,
 # whichever test happens to start JAX first.

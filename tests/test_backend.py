@@ -1,5 +1,5 @@
-"""The CPU code generation flags rnnlab adds to XLA_FLAGS (rnnlab.parallel.CPU_XLA_FLAGS), and the
-one core per process that RNNLAB_PIN_CPU=1 asks for (rnnlab.parallel.pin_to_free_core)."""
+"""The CPU code generation flags rnnlab adds to XLA_FLAGS (rnnlab.cpu.CPU_XLA_FLAGS), and the
+one core per process that RNNLAB_PIN_CPU=1 asks for (rnnlab.cpu.pin_to_free_core)."""
 
 import fcntl
 import os
@@ -11,34 +11,34 @@ import sys
 import pytest
 
 from conftest import ROOT
-from rnnlab import parallel
+from rnnlab import cpu, parallel
 
 
 def test_cpu_flags_are_added_to_what_xla_flags_already_holds():
-    assert parallel.with_cpu_xla_flags("") == (
+    assert cpu.with_cpu_xla_flags("") == (
         "--xla_cpu_prefer_vector_width=512 --xla_cpu_copy_insertion_use_region_analysis=true"
     )
     theirs = "--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=false"
-    merged = parallel.with_cpu_xla_flags(f"  {theirs} ")
+    merged = cpu.with_cpu_xla_flags(f"  {theirs} ")
     # First: XLA ignores what follows a token without a leading '-'.
-    assert merged == f"{parallel.with_cpu_xla_flags('')} {theirs}"
-    assert parallel.with_cpu_xla_flags(merged) == merged  # idempotent: a second job of a sweep adds nothing
+    assert merged == f"{cpu.with_cpu_xla_flags('')} {theirs}"
+    assert cpu.with_cpu_xla_flags(merged) == merged  # idempotent: a second job of a sweep adds nothing
 
 
 def test_a_flag_the_user_set_keeps_the_users_value():
-    merged = parallel.with_cpu_xla_flags("--xla_cpu_prefer_vector_width=256")
+    merged = cpu.with_cpu_xla_flags("--xla_cpu_prefer_vector_width=256")
     assert merged.split() == ["--xla_cpu_copy_insertion_use_region_analysis=true", "--xla_cpu_prefer_vector_width=256"]
-    assert parallel.with_cpu_xla_flags("-xla_cpu_copy_insertion_use_region_analysis=false").count("region_analysis") == 1
+    assert cpu.with_cpu_xla_flags("-xla_cpu_copy_insertion_use_region_analysis=false").count("region_analysis") == 1
 
 
 def test_a_flag_file_is_left_alone():
     """XLA_FLAGS that does not start with '-' names a file of flags: appending to it would break it."""
-    assert parallel.with_cpu_xla_flags("/etc/xla_flags.txt") == "/etc/xla_flags.txt"
+    assert cpu.with_cpu_xla_flags("/etc/xla_flags.txt") == "/etc/xla_flags.txt"
 
 
 _COMPILE_AFTER_CONFIGURE = """
 import jax, jax.numpy as jnp
-from rnnlab import parallel
+from rnnlab import cpu, parallel
 from rnnlab.config import DeviceConfig
 parallel.configure_backend(DeviceConfig("cpu", 1, "pmap", None), batch_size=1)
 jax.block_until_ready(jax.jit(lambda x: jnp.tanh(x) * 2)(jnp.ones(1000)))
@@ -63,8 +63,8 @@ def test_xla_compiles_with_the_flags_after_configure_backend(tmp_path, user_flag
 _PIN_AND_HOLD = """
 import os, sys
 from pathlib import Path
-from rnnlab import parallel
-core = parallel.pin_to_free_core(Path(sys.argv[1]))
+from rnnlab import cpu, parallel
+core = cpu.pin_to_free_core(Path(sys.argv[1]))
 if core is not None:
     import jax, jax.numpy as jnp
     jax.block_until_ready(jax.jit(lambda x: jnp.tanh(x @ x))(jnp.ones((512, 512))))  # XLA's threads exist now

@@ -1,4 +1,4 @@
-"""LSTM and GRU against NumPy and torch; hoisted == in-scan; vmap init == scan init; remat; bf16; dropout."""
+"""LSTM and GRU against NumPy and torch; custom_vjp == autodiff; vmap init == scan init; remat; bf16; dropout."""
 
 import dataclasses
 
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import compose_config
 from rnnlab.cells import from_torch
-from rnnlab.models import LayerStack, RecurrentLayer, RecurrentModel
+from rnnlab.models import LayerStack, RecurrentLayer, build_model
 
 B, T, I, H = 3, 7, 5, 4
 
@@ -95,17 +95,6 @@ def test_two_layer_stack_matches_torch(cell, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cell", ["rnn", "lstm", "gru"])
-def test_hoisted_input_equals_input_inside_the_scan(cell):
-    x = np.random.default_rng(3).normal(size=(B, T, I)).astype(np.float32)
-    hoisted = RecurrentLayer(hidden_dim=H, cell=cell, hoist_input=True)
-    in_scan = RecurrentLayer(hidden_dim=H, cell=cell, hoist_input=False)
-    params = random_like(init(hoisted, x), seed=4)
-    want, _ = jax.jit(hoisted.apply)({"params": params}, x)
-    got, _ = jax.jit(in_scan.apply)({"params": params}, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-
-
 def model_config(*overrides, **fields):
     return dataclasses.replace(compose_config(list(overrides)).model, **fields)
 
@@ -116,7 +105,7 @@ def test_vmap_init_matches_scan_init(cell, scheme):
     trees = {}
     for how in ("scan", "vmap"):
         config = model_config(f"model={cell}", "hidden_dim=32", "num_layers=6", init=scheme, stack_init=how)
-        trees[how] = init(RecurrentModel(config, 1), x)
+        trees[how] = init(build_model(config, 1), x)
     scan, vmap = trees["scan"], trees["vmap"]
     assert jax.tree_util.tree_map(jnp.shape, scan) == jax.tree_util.tree_map(jnp.shape, vmap)
     assert jax.tree_util.tree_map(lambda a: a.dtype, scan) == jax.tree_util.tree_map(lambda a: a.dtype, vmap)
@@ -132,7 +121,7 @@ def test_vmap_init_matches_scan_init(cell, scheme):
 
 def test_lstm_forget_bias_is_a_config_key():
     config = model_config("model=lstm", "hidden_dim=4", "num_layers=3", forget_bias=2.5)
-    stack = init(RecurrentModel(config, 1), jnp.zeros((1, 3, 2)))["stack"]
+    stack = init(build_model(config, 1), jnp.zeros((1, 3, 2)))["stack"]
     gates = [0.0] * 4 + [2.5] * 4 + [0.0] * 8
     np.testing.assert_array_equal(np.asarray(stack["layer_0"]["b"]), gates)
     np.testing.assert_array_equal(np.asarray(stack["layers"]["b"]), np.repeat([gates], 2, axis=0))
@@ -140,7 +129,7 @@ def test_lstm_forget_bias_is_a_config_key():
 
 def loss_and_grads(config, seq_len=9, seed=0):
     """Loss and gradients of a sum-of-squares loss on random inputs (jitted)."""
-    model = RecurrentModel(config, 2)
+    model = build_model(config, 2)
     x = jax.random.normal(jax.random.key(seed), (2, seq_len, 3))
     params = random_like(init(model, x, seed=1), seed=5)
     loss = lambda p: jnp.mean(model.apply({"params": p}, x) ** 2)  # noqa: E731
@@ -164,8 +153,8 @@ def test_custom_vjp_gives_the_same_loss_and_gradients_as_autodiff(cell, activati
 def test_custom_vjp_keeps_the_parameter_layout_and_initial_values():
     base = model_config("model=gru", "hidden_dim=8", "num_layers=2", recurrence="autodiff")
     x = jnp.zeros((1, 3, 2))
-    want = init(RecurrentModel(base, 1), x)
-    got = init(RecurrentModel(dataclasses.replace(base, recurrence="custom_vjp"), 1), x)
+    want = init(build_model(base, 1), x)
+    got = init(build_model(dataclasses.replace(base, recurrence="custom_vjp"), 1), x)
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -191,7 +180,7 @@ def test_remat_lowers_peak_memory_on_a_long_sequence():
     x = jnp.zeros((4, 400, 2))
 
     def temp_bytes(remat):
-        model = RecurrentModel(model_config("model=lstm", "hidden_dim=32", "num_layers=1", remat=remat, recurrence="autodiff"), 1)
+        model = build_model(model_config("model=lstm", "hidden_dim=32", "num_layers=1", remat=remat, recurrence="autodiff"), 1)
         params = init(model, x[:, :2])
         grad = jax.jit(jax.grad(lambda p: jnp.sum(model.apply({"params": p}, x))))
         return grad.lower(params).compile().memory_analysis().temp_size_in_bytes
@@ -201,7 +190,7 @@ def test_remat_lowers_peak_memory_on_a_long_sequence():
 
 def test_bfloat16_trains_and_stays_finite():
     config = model_config("model=lstm", "hidden_dim=16", "num_layers=2", dtype="bfloat16")
-    model = RecurrentModel(config, 1)
+    model = build_model(config, 1)
     x = jax.random.uniform(jax.random.key(0), (8, 20, 2))
     target = x[:, :, :1].sum(axis=1)
     params = init(model, x)
@@ -226,7 +215,7 @@ def test_bfloat16_trains_and_stays_finite():
 
 def test_dropout_only_in_training_and_driven_by_the_dropout_rng():
     config = model_config("model=gru", "hidden_dim=8", "num_layers=2", dropout=0.5)
-    model, plain = RecurrentModel(config, 1), RecurrentModel(dataclasses.replace(config, dropout=0.0), 1)
+    model, plain = build_model(config, 1), build_model(dataclasses.replace(config, dropout=0.0), 1)
     x = jax.random.normal(jax.random.key(0), (2, 5, 2))
     params = {"params": init(model, x)}
     run = jax.jit(lambda key: model.apply(params, x, train=True, rngs={"dropout": key}))

@@ -6,7 +6,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import TINY, run_train
-from rnnlab import parallel
+from rnnlab import cpu
 
 pytestmark = pytest.mark.slow
 TINY_CLI = [o for o in TINY if not o.startswith("device")]
@@ -25,7 +25,7 @@ def test_readme_command_with_top_level_hidden_dim(tmp_path):
     assert "kernel: float32[2,100]" in summary and ",100,100]" in summary  # hidden_dim=100 reached the model
     assert "baseline 0.1667" in proc.stdout + proc.stderr
     # device.num_devices=null on CPU: 1 device or one per core, whichever measured faster, said so.
-    most = parallel.cpu_device_count(8, parallel.max_cpu_devices())
+    most = cpu.cpu_device_count(8, cpu.max_cpu_devices())
     assert results["num_devices"] in (1, most)
     if most > 1:
         assert "device.num_devices=null: fastest of 1: " in proc.stdout + proc.stderr
@@ -42,7 +42,7 @@ def test_four_simulated_devices(tmp_path):
     "args,key",
     [
         (["device.num_devices=4", "batch_size=30"], "'batch_size': got 30, must be divisible by the 4 devices"),
-        (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: rnn"),
+        (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: gru, lstm, rnn"),
         (["hidden_dim=-3"], "'hidden_dim': got -3, must be > 0"),
         (["data.seq_len=abc"], "'data.seq_len': got 'abc', expected an integer"),
     ],

@@ -2,12 +2,13 @@
 
 import pytest
 
-from conftest import compose_config
+from conftest import ROOT, compose_config
+from rnnlab import cells, tasks
 from rnnlab import config as cfg
 
 GROUPS = {
-    "model": ["rnn"],
-    "data": ["adding", "copy"],
+    "model": sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")),
+    "data": sorted(p.stem for p in (ROOT / "conf" / "data").glob("*.yaml")),
     "optimizer": ["adam", "adamw", "sgd"],
     "device": ["auto", "cpu", "gpu", "tpu"],
 }
@@ -19,6 +20,12 @@ def test_every_group_option_composes(group, option):
     section = getattr(config, group)
     chosen = {"model": "cell", "data": "task", "optimizer": "name", "device": "platform"}[group]
     assert getattr(section, chosen) == option
+
+
+def test_every_cell_and_task_of_the_package_has_its_config_file():
+    assert [n for n, c in cells.CELLS.items() if c.__module__.startswith("rnnlab.")] and \
+        {n for n, c in cells.CELLS.items() if c.__module__.startswith("rnnlab.")} <= set(GROUPS["model"])
+    assert {n for n, t in tasks.TASKS.items() if t.__module__.startswith("rnnlab.")} <= set(GROUPS["data"])
 
 
 def test_top_level_sizes_reach_the_model_by_interpolation():
@@ -75,3 +82,17 @@ def test_config_is_frozen_and_replace_validates():
     assert cfg.replace(config, **{"model.init": "identity"}).model.init == "identity"
     with pytest.raises(cfg.ConfigError, match="model.init"):
         cfg.replace(config, **{"model.init": "nope"})
+
+
+@pytest.mark.parametrize("key", ["hidden_dim", "num_layers"])
+def test_the_model_width_and_depth_have_one_source(key):
+    """`model.hidden_dim=128` would train a 128-unit model while `hidden_dim` (and HParams) said 64: refused."""
+    with pytest.raises(cfg.ConfigError, match=f"key 'model.{key}': got 3, but the top-level {key} is .*; set the top-level key instead \\({key}=3\\)"):
+        compose_config([f"model.{key}=3"])
+    assert getattr(compose_config([f"{key}=3"]).model, key) == 3
+
+
+def test_imports_names_a_module_or_fails_naming_the_key():
+    with pytest.raises(cfg.ConfigError, match="key 'imports': cannot import 'no_such_module_here' \\(ModuleNotFoundError"):
+        compose_config(["imports=[no_such_module_here]"])
+    assert compose_config(["imports=[json]"]).imports == ("json",)

@@ -5,22 +5,22 @@ import json
 import pytest
 
 from conftest import tiny_config
-from rnnlab import parallel
+from rnnlab import cpu
 from rnnlab.trainer import DEVICES_USED_KEY, train_and_evaluate
 
 
 def test_cpu_device_count_is_the_largest_count_the_batch_divides_into():
-    assert parallel.cpu_device_count(32, 2) == 2
-    assert parallel.cpu_device_count(30, 4) == 3
-    assert parallel.cpu_device_count(7, 4) == 1
-    assert parallel.cpu_device_count(1, 16) == 1
+    assert cpu.cpu_device_count(32, 2) == 2
+    assert cpu.cpu_device_count(30, 4) == 3
+    assert cpu.cpu_device_count(7, 4) == 1
+    assert cpu.cpu_device_count(1, 16) == 1
 
 
 def test_max_cpu_devices_honours_the_environment_cap(monkeypatch):
     monkeypatch.setenv("RNNLAB_MAX_CPU_DEVICES", "1")
-    assert parallel.max_cpu_devices() == 1
+    assert cpu.max_cpu_devices() == 1
     monkeypatch.delenv("RNNLAB_MAX_CPU_DEVICES")
-    assert parallel.max_cpu_devices() == min(parallel.host_cores(), parallel.MAX_CPU_DEVICES)
+    assert cpu.max_cpu_devices() == min(cpu.host_cores(), cpu.MAX_CPU_DEVICES)
 
 
 def test_device_count_is_measured_once_then_read_from_the_cache(tmp_path):
@@ -31,19 +31,19 @@ def test_device_count_is_measured_once_then_read_from_the_cache(tmp_path):
         calls.append(n)
         return {1: 0.010, 2: 0.007}[n]
 
-    assert parallel.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, False)
+    assert cpu.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, False)
     assert calls == [1, 2]
-    assert parallel.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, True)
+    assert cpu.choose_device_count("model A", [1, 2], seconds_per_step, cache) == (2, {1: 0.010, 2: 0.007}, True)
     assert calls == [1, 2]  # read back, not measured again
-    assert parallel.choose_device_count("model B", [1, 2], {1: 0.010, 2: 0.020}.get, cache)[0] == 1
+    assert cpu.choose_device_count("model B", [1, 2], {1: 0.010, 2: 0.020}.get, cache)[0] == 1
     assert set(json.loads(cache.read_text())) == {"model A", "model B"}
     # A cached count that is no longer a candidate (fewer devices now) is measured again.
-    assert parallel.choose_device_count("model A", [1], {1: 0.5}.get, cache) == (1, {1: 0.5}, False)
+    assert cpu.choose_device_count("model A", [1], {1: 0.5}.get, cache) == (1, {1: 0.5}, False)
 
 
 def test_more_devices_must_win_by_the_margin(tmp_path):
     timings = {1: 0.0100, 2: 0.0098}  # 2% faster: within the noise, keep one device
-    assert parallel.choose_device_count("k", [1, 2], timings.get, tmp_path / "device_count.json")[0] == 1
+    assert cpu.choose_device_count("k", [1, 2], timings.get, tmp_path / "device_count.json")[0] == 1
 
 
 def _unwritable(tmp_path):
@@ -57,14 +57,14 @@ def test_a_damaged_or_unwritable_cache_is_measured_again_and_replaced(tmp_path):
     cache = tmp_path / "device_count.json"
     for damage in ("not json", "[]", "null", json.dumps({"k": {"num_devices": "x"}}), json.dumps({"k": 3})):
         cache.write_text(damage)
-        assert parallel.choose_device_count("k", [1, 2], {1: 0.01, 2: 0.005}.get, cache) == (2, {1: 0.01, 2: 0.005}, False)
+        assert cpu.choose_device_count("k", [1, 2], {1: 0.01, 2: 0.005}.get, cache) == (2, {1: 0.01, 2: 0.005}, False)
         assert json.loads(cache.read_text())["k"]["num_devices"] == 2
-    assert parallel.choose_device_count("k", [1, 2], {1: 0.01, 2: 0.005}.get, _unwritable(tmp_path))[0] == 2
+    assert cpu.choose_device_count("k", [1, 2], {1: 0.01, 2: 0.005}.get, _unwritable(tmp_path))[0] == 2
     assert not list(tmp_path.rglob("*.tmp"))
 
 
 def test_a_resumed_run_keeps_the_device_count_its_run_dir_recorded(tmp_path, caplog):
-    if parallel.max_cpu_devices() < 2:
+    if cpu.max_cpu_devices() < 2:
         pytest.skip("one core: device.num_devices=null has nothing to choose")
     first = train_and_evaluate(tiny_config("device.num_devices=null"), tmp_path)
     run_config = tmp_path / "checkpoints" / "run_config.json"

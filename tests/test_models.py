@@ -7,7 +7,8 @@ import pytest
 
 from conftest import compose_config
 from rnnlab import config as cfg
-from rnnlab.models import LayerStack, RecurrentLayer, RecurrentModel, default_unroll, initializers, stack_layer_params
+from rnnlab.cells import initializers
+from rnnlab.models import LayerStack, RecurrentLayer, build_model, default_unroll, stack_layer_params
 
 
 def numpy_elman(x, w_xh, w_hh, b, act=np.tanh):
@@ -25,7 +26,7 @@ def numpy_elman(x, w_xh, w_hh, b, act=np.tanh):
 def test_elman_layer_matches_numpy_loop(activation, recurrence):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(3, 7, 5)).astype(np.float32)
-    layer = RecurrentLayer(hidden_dim=4, activation=activation, recurrence=recurrence)
+    layer = RecurrentLayer(hidden_dim=4, cell="rnn", activation=activation, recurrence=recurrence)
     x_tm = x.swapaxes(0, 1)  # the layer is time-major
     params = layer.init(jax.random.key(0), x_tm)["params"]
     # Random weights, not the init, so that every entry matters.
@@ -40,8 +41,8 @@ def test_elman_layer_matches_numpy_loop(activation, recurrence):
 @pytest.mark.parametrize("num_layers", [2, 4])
 def test_scanned_stack_equals_python_loop_stack(num_layers):
     x = jax.random.normal(jax.random.key(1), (2, 9, 6))
-    loop = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=False)
-    scan = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=True)
+    loop = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=False, layer_options=(("cell", "rnn"),))
+    scan = LayerStack(hidden_dim=6, num_layers=num_layers, scan_layers=True, layer_options=(("cell", "rnn"),))
     loop_params = loop.init(jax.random.key(2), x)["params"]
     scan_params = stack_layer_params({"stack": loop_params}, num_layers)["stack"]
     want = loop.apply({"params": loop_params}, x)
@@ -53,7 +54,7 @@ def test_scanned_stack_equals_python_loop_stack(num_layers):
 
 def test_scanned_params_are_stacked_on_a_leading_layer_axis():
     config = compose_config(["hidden_dim=16", "num_layers=4"])
-    model = RecurrentModel(config.model, output_dim=1)
+    model = build_model(config.model, output_dim=1)
     params = model.init(jax.random.key(0), jnp.zeros((2, 5, 2)))["params"]
     first, layers = params["stack"]["layer_0"], params["stack"]["layers"]
     assert first["W_xh"].shape == (16, 16) and first["cell"]["W_hh"].shape == (16, 16)
@@ -69,7 +70,7 @@ def test_model_is_projection_then_elman_stack_then_readout(hidden_dim, recurrenc
     """The whole model against NumPy: x P + c, two Elman layers, the readout at every step,
     however the first layer computes its input term (the projection folded into W_xh or not)."""
     config = compose_config([f"hidden_dim={hidden_dim}", "num_layers=2", f"model.recurrence={recurrence}"])
-    model = RecurrentModel(config.model, output_dim=3)
+    model = build_model(config.model, output_dim=3)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 6, 5)).astype(np.float32)
     params = model.init(jax.random.key(0), x)["params"]
@@ -98,7 +99,7 @@ def test_initializers():
 
 def test_init_choice_reaches_every_layer_of_the_stack():
     config = cfg.replace(compose_config(["num_layers=3", "hidden_dim=8"]), **{"model.init": "identity"})
-    params = RecurrentModel(config.model, 1).init(jax.random.key(0), jnp.zeros((1, 4, 2)))["params"]
+    params = build_model(config.model, 1).init(jax.random.key(0), jnp.zeros((1, 4, 2)))["params"]
     np.testing.assert_array_equal(np.asarray(params["stack"]["layer_0"]["cell"]["W_hh"]), np.eye(8))
     for w in params["stack"]["layers"]["cell"]["W_hh"]:
         np.testing.assert_array_equal(np.asarray(w), np.eye(8))

@@ -195,7 +195,7 @@ def test_summarize_marks_failed_and_missing_jobs_without_matplotlib(tmp_path, mo
     import summarize as summarize_script
 
     jobs = {
-        "0_hidden_dim=8": {"status": "completed", "eval_loss": 0.2, "eval_metric": 0.2, "eval_metric_name": "mse",
+        "0_hidden_dim=8": {"status": "completed", "eval_loss": 0.2, "eval_metrics": {"mse": 0.2},
                            "baseline_loss": 1 / 6, "tokens_per_sec": 1000.0, "mfu": None, "wall_seconds": 3.0},
         "1_hidden_dim=16": {"status": "failed", "error": "key 'x': bad", "exit_code": 2, "wall_seconds": 0.1},
         "2_hidden_dim=32": None,  # killed before it wrote results.json

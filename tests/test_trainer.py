@@ -10,11 +10,10 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import assert_same_tree, compose_config, saved_state, tiny_config
-from rnnlab import data, parallel
-from rnnlab.models import RecurrentModel
-from rnnlab.trainer import (
-    create_train_state, make_optimizer, pmap_sampler, train_and_evaluate, train_metric_names, train_step,
-)
+from rnnlab import parallel, tasks
+from rnnlab.models import build_model
+from rnnlab.steps import create_train_state, make_optimizer, pmap_sampler, train_metric_names, train_step
+from rnnlab.trainer import train_and_evaluate
 
 RESULT_KEYS = {
     "status", "step", "train_loss", "eval_loss", "eval_metric", "baseline_loss", "num_params", "num_devices",
@@ -28,13 +27,13 @@ TB_TAGS = {
 
 def test_one_train_step_changes_every_parameter():
     config = tiny_config()
-    task = data.make_task(config.data)
-    model = RecurrentModel(config.model, task.output_dim)
+    task = tasks.make_task(config.data)
+    model = build_model(config.model, task.output_dim)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     example = jnp.zeros((config.batch_size, task.total_len, task.input_dim))
     state = create_train_state(jax.random.key(0), model, example, tx)
     devices = jax.devices()[:1]
-    batch = pmap_sampler(task, data.stream_key(0, 0), config.batch_size, devices)(np.zeros(1, np.int32))
+    batch = pmap_sampler(task, tasks.stream_key(0, 0), config.batch_size, devices)(np.zeros(1, np.int32))
     step = jax.pmap(lambda s, b: train_step(s, b, task, schedule), axis_name=parallel.AXIS, devices=devices)
     new_state, metrics = step(parallel.replicate(state, devices), batch)
     before = jax.tree_util.tree_leaves_with_path(state.params)
@@ -48,30 +47,15 @@ def test_one_train_step_changes_every_parameter():
 @pytest.mark.parametrize("task_name", ["adding", "copy"])
 def test_the_loop_stacks_exactly_the_metrics_train_step_returns(skip, task_name):
     config = tiny_config(f"data={task_name}", "data.seq_len=12")
-    task = data.make_task(config.data)
+    task = tasks.make_task(config.data)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
-    model = RecurrentModel(config.model, task.output_dim)
+    model = build_model(config.model, task.output_dim)
     example = jax.ShapeDtypeStruct((2, task.total_len, task.input_dim), jnp.float32)
     state = jax.eval_shape(lambda x: create_train_state(jax.random.key(0), model, x, tx), example)
-    batch = jax.eval_shape(lambda: data.sample_batch(task, data.stream_key(0, 0), 0, 0, 2))
+    batch = jax.eval_shape(lambda: tasks.sample_batch(task, tasks.stream_key(0, 0), 0, 0, 2))
     step = jax.vmap(lambda s, b: train_step(s, b, task, schedule, skip), axis_name=parallel.AXIS, axis_size=1, in_axes=None)
     _, metrics = jax.eval_shape(step, state, batch)
     assert sorted(metrics) == sorted(train_metric_names(task, skip))
-
-
-def test_a_run_dir_from_the_earlier_parameter_layout_is_refused_by_name(tmp_path):
-    """Run dirs written before layer 0 stood apart (all layers stacked) cannot restore: say so
-    before any restore is tried, instead of renaming every checkpoint as unreadable."""
-    from rnnlab.config import ConfigError, flatten
-
-    config = tiny_config()
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "run_config.json").write_text(json.dumps(flatten(config)))  # no layout key
-    with pytest.raises(ConfigError, match="parameter layout 1"):
-        train_and_evaluate(config, tmp_path)
-    old_loop = flatten(tiny_config("model.scan_layers=false"))  # the loop layout did not change
-    (tmp_path / "checkpoints" / "run_config.json").write_text(json.dumps(old_loop))
-    assert train_and_evaluate(tiny_config("model.scan_layers=false"), tmp_path)["status"] == "completed"
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +138,7 @@ def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_dispatches_end_at_every_step_the_loop_has_work_and_cover_every_step(k):
-    from rnnlab.trainer import MAX_STEPS_IN_FLIGHT, _next_stop
+    from rnnlab.loop import MAX_STEPS_IN_FLIGHT, next_stop as _next_stop
 
     cases = [("steps=100", "log_every=7", "eval_every=30", "checkpoint.every=25", "profile.start_step=40", "profile.num_steps=5"),
              ("steps=50", "log_every=50", "eval_every=50", "checkpoint.enabled=false")]

@@ -7,10 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rnnlab import data
-from rnnlab.data import AddingTask, CopyTask, stream_key
+from rnnlab import tasks
+from rnnlab.tasks import stream_key
+from rnnlab.tasks.adding import AddingTask
+from rnnlab.tasks.copy import CopyTask
 
-sample_batch = jax.jit(data.sample_batch, static_argnums=(0, 4))
+sample_batch = jax.jit(tasks.sample_batch, static_argnums=(0, 4))
 
 
 def draw(task, n, step=0, seed=0):
@@ -32,7 +34,7 @@ def test_adding_baseline_is_one_sixth():
     task = AddingTask(seq_len=10)
     batch = draw(task, 40_000)
     constant_one = jnp.ones((40_000, 10, 1))
-    loss, _ = task.loss_and_metric(constant_one, batch.targets)
+    loss, _ = task.loss_and_metrics(constant_one, batch.targets)
     assert task.baseline_loss == pytest.approx(1 / 6)
     # Standard error of the MSE estimate at n=40k is about 0.001.
     assert float(loss) == pytest.approx(1 / 6, abs=0.005)
@@ -58,7 +60,8 @@ def test_copy_memoryless_baseline():
     blank = jax.nn.one_hot(CopyTask.BLANK, 10) * 1e4
     uniform = jnp.where(jnp.arange(10) < 8, 0.0, -1e4)
     logits = jnp.concatenate([jnp.tile(blank, (512, 40, 1)), jnp.tile(uniform, (512, 10, 1))], axis=1)
-    loss, accuracy = task.loss_and_metric(logits, batch.targets)
+    loss, metrics = task.loss_and_metrics(logits, batch.targets)
+    accuracy = metrics["accuracy"]
     assert task.baseline_loss == pytest.approx(10 * math.log(8) / 50)
     assert float(loss) == pytest.approx(task.baseline_loss, rel=1e-4)
     assert 0.0 <= float(accuracy) <= 0.3  # argmax of uniform logits picks symbol 0: about 1/8
@@ -67,8 +70,9 @@ def test_copy_memoryless_baseline():
 def test_perfect_copy_scores_zero_loss_and_full_accuracy():
     task = CopyTask(seq_len=3)
     batch = draw(task, 16)
-    loss, accuracy = task.loss_and_metric(jax.nn.one_hot(batch.targets, 10) * 1e4, batch.targets)
-    assert float(loss) < 1e-6 and float(accuracy) == 1.0
+    loss, metrics = task.loss_and_metrics(jax.nn.one_hot(batch.targets, 10) * 1e4, batch.targets)
+    assert float(loss) < 1e-6 and float(metrics["accuracy"]) == 1.0
+    assert task.metric_names == ("accuracy",) and AddingTask(seq_len=4).metric_names == ("mse",)
 
 
 @pytest.mark.parametrize("task", [AddingTask(12), CopyTask(4)], ids=["adding", "copy"])

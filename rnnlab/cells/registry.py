@@ -1,0 +1,192 @@
+"""The cell interface and the registry of cells by name.
+
+A cell is one time step of a recurrent layer given its *input term*. The layer
+(`rnnlab.models.RecurrentLayer`) owns the input weights W_xh: f32[I, G*H] and bias
+b: f32[G*H] (G = `num_gates`) and computes `u_t = x_t W_xh + b`: f32[B, G*H]; the cell
+owns its recurrent parameters (`param_specs`) and does the rest in `step`. Shapes: `B`
+batch, `T` time, `H` hidden units.
+
+Everything the rest of rnnlab needs of a cell is declared on its class, so a new cell is
+one file: subclass `Cell`, decorate it with `@register_cell`, and every part of the code
+(config choices, model, FLOP count, `from_torch`) finds it by name. `step` is the one
+statement of the equations: the autodiff path scans it, and so does the forward of the
+hand-written backward (`model.recurrence=custom_vjp`, `rnnlab.recurrence`), which a cell
+may add by overriding `backward`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Initializer = Callable[..., jax.Array]
+Params = dict[str, jax.Array]  # a cell's recurrent parameters by name, as `param_specs` declares them
+Carry = Any  # a pytree of [B, ...] arrays
+
+
+def _uniform(scale: float) -> Initializer:
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, minval=-scale, maxval=scale)
+
+    return init
+
+
+def _identity(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.eye(shape[0], shape[1], dtype=dtype)
+
+
+# Named schemes -> (input initializer for W_xh, recurrent initializer for W_hh):
+#   uniform:    U[-0.1, 0.1] for both (the classic setting for simple RNNs)
+#   orthogonal: lecun_normal input, orthogonal recurrent matrix (Saxe et al. 2014)
+#   identity:   N(0, 1e-3) input, identity recurrent matrix (IRNN, Le et al. 2015)
+#   default:    Flax's `SimpleCell` defaults: lecun_normal input, orthogonal recurrent
+INITIALIZERS: dict[str, tuple[Initializer, Initializer]] = {
+    "uniform": (_uniform(0.1), _uniform(0.1)),
+    "orthogonal": (nn.initializers.lecun_normal(), nn.initializers.orthogonal()),
+    "identity": (nn.initializers.normal(1e-3), _identity),
+    "default": (nn.initializers.lecun_normal(), nn.initializers.orthogonal()),
+}
+
+# Elementwise activations a cell may offer through `model.activation`: (function, its
+# derivative written in terms of the function's output y, as a backward pass has it).
+ACTIVATIONS: dict[str, tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array]]] = {
+    "tanh": (jnp.tanh, lambda y: 1 - y * y),
+    "relu": (jax.nn.relu, lambda y: (y > 0).astype(y.dtype)),
+}
+
+
+def initializers(init: str) -> tuple[Initializer, Initializer]:
+    """(input initializer for W_xh, recurrent initializer for W_hh) of a scheme in INITIALIZERS."""
+    if init not in INITIALIZERS:
+        raise ValueError(f"unknown init {init!r}")
+    return INITIALIZERS[init]
+
+
+def per_gate(init: Initializer, num_gates: int) -> Initializer:
+    """An initializer of f32[fan_in, G*H] that fills each [fan_in, H] gate block with `init`."""
+    if num_gates == 1:
+        return init
+
+    def gated(key, shape, dtype=jnp.float32):
+        fan_in, width = shape
+        keys = jax.random.split(key, num_gates)
+        return jnp.concatenate([init(k, (fan_in, width // num_gates), dtype) for k in keys], axis=1)
+
+    return gated
+
+
+def sigmoid_grad(s: jax.Array) -> jax.Array:
+    """d sigmoid / d x in terms of s = sigmoid(x)."""
+    return s * (1 - s)
+
+
+def shift_back(xs: jax.Array) -> jax.Array:
+    """[T, ...] -> [T, ...] holding (0, xs_0, ..., xs_{T-2}): the value at t-1 for every t."""
+    return jnp.concatenate([jnp.zeros_like(xs[:1]), xs[:-1]], axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """A recurrent cell of `hidden_dim` units with the model config's cell options.
+
+    Subclasses set `name` and `num_gates` and define `step`; the other members have
+    defaults that suit a cell whose only recurrent parameter is W_hh: f32[H, G*H].
+    Instances are immutable and hashable (they are static arguments of jitted code).
+    """
+
+    hidden_dim: int
+    init: str = "uniform"  # a key of INITIALIZERS
+    activation: str = "tanh"  # a key of ACTIVATIONS, for cells that offer a choice
+    forget_bias: float = 1.0  # for cells with a forget gate
+
+    name: ClassVar[str]
+    num_gates: ClassVar[int] = 1  # the input term is G*H wide
+    # custom_vjp forward: read each step's input one iteration ahead (`rnnlab.recurrence.scan`).
+    prefetch: ClassVar[bool] = False
+    torch_class: ClassVar[str | None] = None  # torch.nn.<torch_class> computes the same layer, if any
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], Initializer]]:
+        """The recurrent parameters: name -> (shape, initializer). Created under the layer's `cell/`."""
+        _, recurrent = initializers(self.init)
+        return {"W_hh": ((self.hidden_dim, self.num_gates * self.hidden_dim), per_gate(recurrent, self.num_gates))}
+
+    def input_init(self) -> Initializer:
+        """Initializer of the layer's input weights W_xh: f32[fan_in, G*H]."""
+        return per_gate(initializers(self.init)[0], self.num_gates)
+
+    def bias_init(self) -> Initializer:
+        """Initializer of the layer's input bias b: f32[G*H]."""
+        return nn.initializers.zeros_init()
+
+    def initial_carry(self, like: jax.Array) -> Carry:
+        """Zeros of [B, H] with the dtype (and, under shard_map, the device variance) of `like`: [B, ...]."""
+        return jnp.zeros_like(like, shape=(like.shape[0], self.hidden_dim))
+
+    def step(self, params: Params, carry: Carry, u: jax.Array) -> tuple[Carry, jax.Array, Any]:
+        """(params, carry, u_t: [B, G*H]) -> (carry, h_t: [B, H], saved_t).
+
+        `saved_t` is what `backward` needs of this step beyond h_t (a pytree of [B, ...]
+        arrays, or None); the autodiff path drops it and XLA removes what only it used."""
+        raise NotImplementedError
+
+    @property
+    def has_backward(self) -> bool:
+        """Whether this cell has a hand-written backward (`model.recurrence=custom_vjp`)."""
+        return type(self).backward is not Cell.backward
+
+    def backward(self, params: Params, u: jax.Array, b: jax.Array, hs: jax.Array, saved: Any, g: jax.Array,
+                 unroll: int) -> tuple[jax.Array, Params]:
+        """The gradients of a layer's recurrence, given the forward's inputs and outputs.
+
+        u: [T, B, G*H] the input terms without b: [G*H]; hs: [T, B, H] and `saved` (stacked
+        over T) as `step` returned them; g: [T, B, H] the gradient of hs. Returns (du, the
+        gradients of `params`); db is sum(du). `rnnlab.recurrence` has the helpers."""
+        raise NotImplementedError
+
+    def recurrent_flops(self) -> int:
+        """Matmul FLOPs of one `step` for one example (h_{t-1} W_hh: 2 H G H)."""
+        return 2 * self.hidden_dim * self.num_gates * self.hidden_dim
+
+    @classmethod
+    def from_torch(cls, weight_ih: Any, weight_hh: Any, bias_ih: Any, bias_hh: Any) -> dict:
+        """One layer of `torch.nn.<torch_class>`: weight_ih [G*H, I], weight_hh [G*H, H], bias_ih and
+        bias_hh [G*H] (NumPy) -> this layer's params {W_xh, b, cell: {W_hh}}, biases summed."""
+        if cls.torch_class is None:
+            raise ValueError(f"cell {cls.name!r} has no PyTorch counterpart")
+        w_ih, w_hh, b_ih, b_hh = (np.asarray(a, np.float32) for a in (weight_ih, weight_hh, bias_ih, bias_hh))
+        return {"W_xh": w_ih.T, "b": b_ih + b_hh, "cell": {"W_hh": w_hh.T}}
+
+
+CELLS: dict[str, type[Cell]] = {}
+
+
+def register_cell(cls: type[Cell]) -> type[Cell]:
+    """Class decorator: make `cls` available as `model.cell=<cls.name>`."""
+    if not getattr(cls, "name", None):
+        raise ValueError(f"{cls.__name__} needs a `name`")
+    if cls.name in CELLS and CELLS[cls.name] is not cls:
+        raise ValueError(f"cell {cls.name!r} is registered already ({CELLS[cls.name].__qualname__})")
+    CELLS[cls.name] = cls
+    return cls
+
+
+def get_cell(name: str) -> type[Cell]:
+    if name not in CELLS:
+        raise ValueError(f"unknown cell {name!r} (registered: {', '.join(CELLS)})")
+    return CELLS[name]
+
+
+def cell_names() -> tuple[str, ...]:
+    return tuple(CELLS)
+
+
+def from_torch(cell: str, weight_ih: Any, weight_hh: Any, bias_ih: Any, bias_hh: Any) -> dict:
+    """One PyTorch layer's `weight_ih_l{k}`, `weight_hh_l{k}`, `bias_ih_l{k}`, `bias_hh_l{k}` -> this
+    layer's params, for the registered cell named `cell` (see `Cell.from_torch`)."""
+    return get_cell(cell).from_torch(weight_ih, weight_hh, bias_ih, bias_hh)

@@ -1,0 +1,205 @@
+"""CPU-only tuning: XLA code generation flags, one core per process for parallel sweep jobs,
+and the simulated device count, measured once per machine and model and then cached.
+
+On CPU, JAX can split the host into N simulated devices; XLA runs the small matmuls
+inside a time scan on about one core, so one device per core can train faster, while
+large matmuls already use every core. Which wins depends on the model, so it is
+measured (`choose_device_count`, docs/design.md).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from rnnlab import files
+
+
+def configure_cpu_backend(num_devices: int | None, batch_size: int, distributed: bool) -> None:
+    """Before the backend starts: the XLA flags, a core of this process's own where `RNNLAB_PIN_CPU=1`
+    asks for it, and the simulated device count (`num_devices`, or null: one per core that the batch divides into)."""
+    set_cpu_xla_flags()
+    if os.environ.get(PIN_CPU_ENV) == "1" and hasattr(os, "sched_setaffinity"):
+        pin_to_free_core()
+    wanted = num_devices
+    if wanted is None and not distributed and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        wanted = cpu_device_count(batch_size, max_cpu_devices())
+    if wanted is not None:
+        jax.config.update("jax_num_cpu_devices", max(wanted, jax.config.jax_num_cpu_devices))
+
+
+def seconds_per_step(dispatch: Callable, state: Any, steps_per_dispatch: int, max_in_flight: int) -> float:
+    """Median seconds per train step of `dispatch(state, k) -> (state, metrics)`: compiled and
+    warmed up, then windows of whole dispatches (at most `max_in_flight` steps, about 50 ms
+    each), median of up to 5 windows within about 2 s."""
+    k = steps_per_dispatch
+    for _ in range(3):  # compile, then warm up (the first runs after a compile are slower)
+        state, metrics = dispatch(state, k)
+        jax.block_until_ready(metrics)
+    start = time.perf_counter()
+    state, metrics = dispatch(state, k)
+    jax.block_until_ready(metrics)
+    windows = int(min(max_in_flight // k, max(1, 0.05 / (time.perf_counter() - start))))
+    times: list[float] = []
+    budget_end = time.perf_counter() + 2.0
+    while len(times) < 5 and (not times or time.perf_counter() < budget_end):
+        start = time.perf_counter()
+        for _ in range(windows):
+            state, metrics = dispatch(state, k)
+        jax.block_until_ready(metrics)
+        times.append((time.perf_counter() - start) / (windows * k))
+    return float(np.median(times))
+
+
+def host_cores() -> int:
+    """The cores this process may run on (the affinity mask, not the host's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+MAX_CPU_DEVICES = 8  # the most simulated CPU devices `device.num_devices=null` tries
+
+
+def max_cpu_devices() -> int:
+    """The most simulated CPU devices worth trying: one per core, at most MAX_CPU_DEVICES, or
+    fewer if `RNNLAB_MAX_CPU_DEVICES` says so (the parallel sweep launcher sets 1: a job per core)."""
+    cap = MAX_CPU_DEVICES
+    if os.environ.get("RNNLAB_MAX_CPU_DEVICES"):
+        cap = max(1, int(os.environ["RNNLAB_MAX_CPU_DEVICES"]))
+    return min(host_cores(), cap)
+
+
+def cpu_device_count(batch_size: int, most: int) -> int:
+    """The largest count up to `most` that the batch divides into."""
+    return max(n for n in range(1, max(most, 1) + 1) if batch_size % n == 0)
+
+
+def device_count_is_open(num_devices: int | None, devices: Sequence[jax.Device]) -> bool:
+    """`device.num_devices=null` on CPU in one process, with more than one count to choose from."""
+    return (num_devices is None and devices[0].platform == "cpu" and jax.process_count() == 1
+            and len(devices) > 1)
+
+
+def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: Callable[[int], float],
+                        cache_file: Path, margin: float = 0.05) -> tuple[int, dict[int, float], bool]:
+    """The candidate count whose train step measures fastest, remembered per `key` in `cache_file`.
+
+    Which count wins depends on the model (see the module docstring), so it is measured
+    once per key (machine, candidates, XLA_FLAGS, model, batch, data) and later runs read
+    it back. More devices must win by
+    `margin` to be chosen over fewer. Returns (count, seconds per step by count, from cache).
+    """
+    entries = files.read_json_object(cache_file)
+    try:
+        cached = entries.get(key)
+        count = int(cached["num_devices"])
+        if count in candidates:
+            return count, {int(n): float(t) for n, t in cached["seconds_per_step"].items()}, True
+    except (TypeError, KeyError, ValueError, AttributeError):
+        pass  # no entry, or a damaged one: measure (and overwrite it)
+    timings = {n: seconds_per_step(n) for n in sorted(candidates)}
+    best = min(candidates)
+    for n in sorted(candidates):
+        if timings[n] < (1 - margin) * timings[best]:
+            best = n
+    entries[key] = {"num_devices": best, "seconds_per_step": timings}
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        files.write_json(cache_file, entries)
+    except OSError:  # an unwritable cache dir: the run trains, and measures again next time
+        pass
+    return best, timings, False
+
+
+# XLA CPU code generation options set for every rnnlab run on CPU, unless XLA_FLAGS names them
+# (the user's value wins): 512-bit vectors for the cells' transcendentals (XLA's default is 256)
+# and copy insertion that leaves fewer copies inside while loops; they made the gated cells'
+# small steps faster and the rest no slower (docs/performance-notes.md; AVX-512 machines only).
+CPU_XLA_FLAGS = {
+    "xla_cpu_prefer_vector_width": "512",
+    "xla_cpu_copy_insertion_use_region_analysis": "true",
+}
+
+
+def with_cpu_xla_flags(xla_flags: str) -> str:
+    """An XLA_FLAGS value with each of CPU_XLA_FLAGS that it does not already set, put first:
+    XLA ignores every flag after a token that does not start with '-' (hydra/launcher=parallel
+    sets one). A value that does not start with '-' at all names a flag file: left as it is."""
+    flags = xla_flags.strip()
+    if flags and not flags.startswith("-"):
+        return xla_flags
+    named = {token.lstrip("-").split("=", 1)[0] for token in flags.split()}
+    added = [f"--{name}={value}" for name, value in CPU_XLA_FLAGS.items() if name not in named]
+    return " ".join([*added, flags]).strip()
+
+
+def set_cpu_xla_flags() -> None:
+    """Merge CPU_XLA_FLAGS into the XLA_FLAGS environment variable. XLA reads it when its
+    backend starts (not at `import jax`), so this must come before anything asks for a device."""
+    os.environ["XLA_FLAGS"] = with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))
+
+
+PIN_CPU_ENV = "RNNLAB_PIN_CPU"  # "1": pin the process to a core of its own (hydra/launcher=parallel sets it)
+_pin: tuple[int, Any] | None = None  # (core, the open lock file holding it) for the life of the process
+
+
+def pin_lock_dir() -> Path:
+    return Path(tempfile.gettempdir()) / f"rnnlab-cpu-pins-{os.getuid()}"
+
+
+def pin_to_free_core(lock_dir: Path | None = None) -> int | None:
+    """Pin this process to one CPU core that no other process pinned through `lock_dir` holds.
+    Returns the core, or None (not pinned) when every core of the affinity mask is held.
+
+    For sweep jobs run side by side, one per core. XLA's CPU client sizes its thread pool
+    from the affinity mask when the backend starts, and `--xla_cpu_multi_thread_eigen=false`
+    does not make a job single-threaded (its matmuls still run on the pool), so jobs side
+    by side fight over every core unless pinned (docs/performance-notes.md). A core is held by an
+    exclusive `flock` on `lock_dir/cpu<N>.lock`, kept open for the life of the process:
+    the OS releases it when the process exits, a crash included, so no lock goes stale.
+    Must run before the backend starts (the pool's threads inherit the mask); idempotent.
+    """
+    global _pin
+    if _pin is not None:
+        return _pin[0]
+    import fcntl
+
+    lock_dir = lock_dir or pin_lock_dir()
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    for core in sorted(os.sched_getaffinity(0)):
+        lock = open(lock_dir / f"cpu{core}.lock", "a")  # noqa: SIM115 - held open on purpose
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue
+        for thread in _thread_ids():  # threads started before this one (`import jax` starts one) too
+            try:
+                os.sched_setaffinity(thread, {core})
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+        _pin = (core, lock)
+        return core
+    return None
+
+
+def _thread_ids() -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread, which every later thread inherits from
+        return [0]
+
+
+def pinned_core() -> int | None:
+    """The core `pin_to_free_core` pinned this process to, if it did."""
+    return None if _pin is None else _pin[0]
+
+

@@ -1,0 +1,160 @@
+"""What a training run holds beyond its state, and how it reports: metrics to the host, the
+non-finite policy, TensorBoard and console lines, evaluation and results.json's dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from rnnlab import config as cfg
+from rnnlab import flops, parallel, tasks
+from rnnlab.checkpoint import Checkpointer
+from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none
+from rnnlab.profiling import StepProfiler
+from rnnlab.progress import ProgressBar
+from rnnlab.steps import train_metric_names
+
+log = logging.getLogger("rnnlab.trainer")
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss or gradient norm became NaN or Inf at `step`."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+def _is_finite(row: dict[str, float]) -> bool:
+    return bool(np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"]))
+
+
+def _format_metrics(task: tasks.Task, metrics: dict[str, float]) -> str:
+    return "".join(f" | {name} {metrics[name]:.4f}" for name in task.metric_names)
+
+
+@dataclasses.dataclass
+class Run:
+    """Compiled functions, sinks and counters of one training run. The state is not here: the
+    loop passes it along (replicated layout of `dp`)."""
+
+    config: cfg.Config
+    workdir: Path
+    task: tasks.Task
+    devices: list
+    dp: parallel.DataParallel
+    dispatch: Callable  # steps.make_dispatch: (state, n) -> (state, stacked metrics)
+    steps_per_dispatch: int
+    p_eval_step: Callable
+    eval_batches: list
+    checkpointer: Checkpointer
+    writer: MetricWriter
+    tokens_per_step: int
+    flops_per_step: int
+    peak_flops: float | None = None  # one device's matmul FLOP/s for the compute dtype (flops.peak_flops)
+    profiler: StepProfiler | None = None  # jax.profiler window (config.profile), off by default
+    progress: ProgressBar | None = None  # a live bar on a terminal, else nothing
+    clock: ThroughputClock = dataclasses.field(default_factory=ThroughputClock)
+    timed_steps: int = 0
+    compile_seconds: float | None = None
+    last_train: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    final_step: int = 0
+    skipped_updates: int = 0
+
+    def host_metrics(self, dispatches: list[tuple[int, jax.Array]]) -> list[dict[str, float]]:
+        """(n, stacked metrics) of dispatches (replicated layout) -> one dict of host floats per
+        step, in order. Waits for those dispatches; the copies all start at once."""
+        names = train_metric_names(self.task, self.config.on_nonfinite == "skip")
+        host = self.dp.to_host([metrics for _, metrics in dispatches])
+        return [dict(zip(names, map(float, row), strict=True))
+                for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
+
+    def check_finite(self, step: int, rows: list[dict[str, float]]) -> dict[str, float]:
+        """Mean of the per-step host metrics `rows` of the window of steps ending at `step`.
+
+        on_nonfinite=stop: NonFiniteLossError naming the first step whose loss or gradient
+        norm is NaN/Inf. on_nonfinite=skip: those steps' updates were dropped in train_step;
+        they are counted (`skipped_updates`) and left out of the means.
+        """
+        first = step - len(rows) + 1
+        bad = [first + i for i, row in enumerate(rows) if not _is_finite(row)]
+        if self.config.on_nonfinite == "skip":
+            skipped = sum(row["skipped"] for row in rows)
+            rows = [{k: v for k, v in row.items() if k != "skipped"} for row in rows]
+            metrics = mean_rows([row for row in rows if _is_finite(row)]) or {k: float("nan") for k in rows[0]}
+            return metrics | {"skipped_updates": skipped}
+        if bad:
+            row = rows[bad[0] - first]
+            raise NonFiniteLossError(
+                f"non-finite training at step {bad[0]} (loss={row['loss']}, grad_norm={row['grad_norm']}); "
+                f"no checkpoint at or after it was written. Lower optimizer.lr (now {self.config.optimizer.lr:g}), "
+                f"keep optimizer.clip_norm > 0 (now {self.config.optimizer.clip_norm:g}), or set on_nonfinite=skip",
+                step=bad[0],
+            )
+        return mean_rows(rows)
+
+    def throughput(self, elapsed: float, steps: int) -> dict[str, float | None]:
+        """perf/* scalars of `steps` timed steps in `elapsed` seconds ({} if none)."""
+        if steps <= 0 or elapsed <= 0:
+            return {}
+        return {
+            "perf/tokens_per_sec": steps * self.tokens_per_step / elapsed,
+            "perf/steps_per_sec": steps / elapsed,
+            "perf/flops_per_sec": steps * self.flops_per_step / elapsed,
+            "perf/mfu": flops.mfu(steps * self.flops_per_step / elapsed, self.peak_flops, self.devices),
+        }
+
+    def log_train(self, step: int, rows: list[dict[str, float]], window: tuple[float, int]) -> None:
+        """Write the window's mean metrics and throughput to TensorBoard and the console."""
+        metrics = self.check_finite(step, rows)
+        self.skipped_updates += int(metrics.get("skipped_updates", 0))
+        perf = self.throughput(self.clock.elapsed() - window[0], self.timed_steps - window[1])
+        self.writer.write_scalars(step, {f"train/{k}": v for k, v in metrics.items()} | perf)
+        self.last_train = metrics
+        rate = f" | {perf['perf/tokens_per_sec']:,.0f} tokens/s" if perf else " | compiling step excluded"
+        rate += f" | mfu {100 * perf['perf/mfu']:.3g}%" if perf.get("perf/mfu") else ""
+        log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e%s", step, self.config.steps, metrics["loss"],
+                 _format_metrics(self.task, metrics), metrics["grad_norm"], metrics["lr"], rate)
+        if self.progress is not None:
+            self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
+
+    def evaluate(self, step: int, state: Any) -> None:
+        batches = self.dp.to_host([self.p_eval_step(state, batch) for batch in self.eval_batches])
+        metrics = mean_rows([{k: float(v) for k, v in m.items()} for m in batches])
+        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.last_eval = metrics
+        log.info("eval step %d | loss %.4f%s | baseline loss %.4f", step, metrics["loss"],
+                 _format_metrics(self.task, metrics), self.task.baseline_loss)
+
+    def results(self, status: str, step: int, num_params: int, wall_start: float) -> dict[str, Any]:
+        """results.json's dict. `eval_metric` is the task's first metric (`eval_metrics` has them all)."""
+        elapsed = self.clock.elapsed()
+        tokens_per_sec = self.timed_steps * self.tokens_per_step / elapsed if self.timed_steps and elapsed else None
+        flops_per_sec = tokens_per_sec * self.flops_per_step / self.tokens_per_step if tokens_per_sec else None
+        headline = self.task.metric_names[0] if self.task.metric_names else None
+        return {
+            "status": status, "step": step, "task": self.task.name,
+            "train_loss": finite_or_none(self.last_train.get("loss")),
+            "eval_loss": finite_or_none(self.last_eval.get("loss")),
+            "eval_metric": finite_or_none(self.last_eval.get(headline)) if headline else None,
+            "eval_metric_name": headline,
+            "eval_metrics": {name: finite_or_none(self.last_eval.get(name)) for name in self.task.metric_names},
+            "baseline_loss": self.task.baseline_loss,
+            "num_params": num_params, "num_devices": len(self.devices), "steps_per_dispatch": self.steps_per_dispatch,
+            "platform": self.devices[0].platform, "tokens_per_step": self.tokens_per_step,
+            "tokens_per_sec": tokens_per_sec, "flops_per_step": self.flops_per_step, "flops_per_sec": flops_per_sec,
+            "mfu": flops.mfu(flops_per_sec, self.peak_flops, self.devices),
+            "compile_seconds": self.compile_seconds, "skipped_updates": self.skipped_updates,
+            "wall_seconds": time.perf_counter() - wall_start,
+        }
