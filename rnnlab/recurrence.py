@@ -99,13 +99,14 @@ def scan(step: Callable, init: Any, xs: Any, reverse: bool = False, unroll: int 
 def scan_cell(cell: Cell, params: Params, u: jax.Array, b: jax.Array, unroll: int = 1,
               prefetch: bool = False) -> tuple[jax.Array, Any]:
     """The cell's `step` over u + b (u: [T, B, G*H], b: [G*H]) from a zero carry -> (hs: [T, B, H], saved)."""
+    from_saved = cell.has_hidden_from_saved
 
     def step(carry, u_t):
         carry, h, saved = cell.step(params, carry, u_t + b)
-        return carry, (h, saved)
+        return carry, saved if from_saved else (h, saved)
 
-    _, (hs, saved) = scan(step, cell.initial_carry(u[0]), u, unroll=unroll, prefetch=prefetch)
-    return hs, saved
+    _, ys = scan(step, cell.initial_carry(u[0]), u, unroll=unroll, prefetch=prefetch)
+    return (cell.hidden_from_saved(ys), ys) if from_saved else ys
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

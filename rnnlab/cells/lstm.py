@@ -43,6 +43,10 @@ class LSTM(Cell):
         h = jax.nn.sigmoid(o) * jnp.tanh(c)
         return (c, h), h, (a, c)
 
+    def hidden_from_saved(self, saved):
+        pre, cs = saved
+        return jax.nn.sigmoid(jnp.split(pre, 4, axis=-1)[3]) * jnp.tanh(cs)
+
     def backward(self, params, u, b, hs, saved, g, unroll):
         pre, cs = saved
         i, f, gg, o = jnp.split(pre, 4, axis=-1)

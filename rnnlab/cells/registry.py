@@ -135,6 +135,15 @@ class Cell:
         arrays, or None); the autodiff path drops it and XLA removes what only it used."""
         raise NotImplementedError
 
+    def hidden_from_saved(self, saved: Any) -> jax.Array:
+        """Optional: hs [T, B, H] from the stacked `saved` of all steps, for a custom_vjp forward that
+        then emits only `saved` from its loop (one output fewer per step, which short steps feel)."""
+        raise NotImplementedError
+
+    @property
+    def has_hidden_from_saved(self) -> bool:
+        return type(self).hidden_from_saved is not Cell.hidden_from_saved
+
     @property
     def has_backward(self) -> bool:
         """Whether this cell has a hand-written backward (`model.recurrence=custom_vjp`)."""
