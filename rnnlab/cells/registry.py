@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rnnlab.registry import Registry
+
 Initializer = Callable[..., jax.Array]
 Params = dict[str, jax.Array]  # a cell's recurrent parameters by name, as `param_specs` declares them
 Carry = Any  # a pytree of [B, ...] arrays
@@ -172,27 +174,10 @@ class Cell:
         return {"W_xh": w_ih.T, "b": b_ih + b_hh, "cell": {"W_hh": w_hh.T}}
 
 
-CELLS: dict[str, type[Cell]] = {}
-
-
-def register_cell(cls: type[Cell]) -> type[Cell]:
-    """Class decorator: make `cls` available as `model.cell=<cls.name>`."""
-    if not getattr(cls, "name", None):
-        raise ValueError(f"{cls.__name__} needs a `name`")
-    if cls.name in CELLS and CELLS[cls.name] is not cls:
-        raise ValueError(f"cell {cls.name!r} is registered already ({CELLS[cls.name].__qualname__})")
-    CELLS[cls.name] = cls
-    return cls
-
-
-def get_cell(name: str) -> type[Cell]:
-    if name not in CELLS:
-        raise ValueError(f"unknown cell {name!r} (registered: {', '.join(CELLS)})")
-    return CELLS[name]
-
-
-def cell_names() -> tuple[str, ...]:
-    return tuple(CELLS)
+CELLS: Registry[type[Cell]] = Registry("cell")
+register_cell = CELLS.register  # class decorator: make a Cell subclass available as `model.cell=<its name>`
+get_cell = CELLS.get_class
+cell_names = CELLS.names
 
 
 def from_torch(cell: str, weight_ih: Any, weight_hh: Any, bias_ih: Any, bias_hh: Any) -> dict:

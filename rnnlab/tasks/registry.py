@@ -19,6 +19,8 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from rnnlab.registry import Registry
+
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 # Names the trainer gives its own per-step values; a task's metrics must not reuse them.
 RESERVED_METRIC_NAMES = ("loss", "grad_norm", "lr", "skipped")
@@ -84,27 +86,10 @@ class Task:
         return names
 
 
-TASKS: dict[str, type[Task]] = {}
-
-
-def register_task(cls: type[Task]) -> type[Task]:
-    """Class decorator: make `cls` available as `data.task=<cls.name>`."""
-    if not getattr(cls, "name", None):
-        raise ValueError(f"{cls.__name__} needs a `name`")
-    if cls.name in TASKS and TASKS[cls.name] is not cls:
-        raise ValueError(f"task {cls.name!r} is registered already ({TASKS[cls.name].__qualname__})")
-    TASKS[cls.name] = cls
-    return cls
-
-
-def get_task(name: str) -> type[Task]:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r} (registered: {', '.join(TASKS)})")
-    return TASKS[name]
-
-
-def task_names() -> tuple[str, ...]:
-    return tuple(TASKS)
+TASKS: Registry[type[Task]] = Registry("task")
+register_task = TASKS.register  # class decorator: make a Task subclass available as `data.task=<its name>`
+get_task = TASKS.get_class
+task_names = TASKS.names
 
 
 def make_task(config: Any) -> Task:
