@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from rnnlab import cpu, parallel
+from rnnlab import cpu
 
 
 def test_cpu_flags_are_added_to_what_xla_flags_already_holds():

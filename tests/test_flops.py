@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT, compose_config
-from rnnlab import config as cfg
 from rnnlab import flops, models, parallel, tasks
 from rnnlab.cells import CELLS
 from rnnlab.models import build_model
