@@ -4,9 +4,12 @@ Composes conf/ with Hydra, turns it into validated dataclasses and runs
 `rnnlab.trainer.train_and_evaluate` in Hydra's run directory. Returns the final
 eval loss so that optimising sweepers (Optuna) can minimise it.
 
-Exit codes: 0 done; 2 bad input (config, run dir, unreadable checkpoints), one line on
-stderr; 3 training diverged (NaN/Inf); 75 preempted by SIGTERM/SIGINT after saving a
-checkpoint (rerun the same command to resume); 130 aborted by a second SIGINT.
+Exit codes, each with one line on stderr: 0 done; 1 a bug (its traceback goes to train.log);
+2 bad input (config, a run dir in use or unwritable, a refused resume change, unreadable
+checkpoints, a step that does not fit in memory); 3 training diverged (NaN/Inf); 74 the run
+dir could not be written mid-run (disk full, read-only: the last checkpoint is intact);
+75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume);
+130 aborted by a second SIGINT. No failure leaves the process waiting on a stuck thread.
 """
 
 import functools
@@ -14,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,18 +27,64 @@ from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rnnlab.checkpoint import CheckpointError
+from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
 
+EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_CANNOT_WRITE = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_ABORTED = 130
+STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 
 
 def fail(message: str, code: int) -> None:
     print(f"rnnlab: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def log_to_file(message: str, exc_info: object = None) -> None:
+    """A record for train.log only (Hydra's file handler), not the console: tracebacks of
+    expected failures, and of background threads, belong there."""
+    if isinstance(exc_info, BaseException):
+        exc_info = (type(exc_info), exc_info, exc_info.__traceback__)
+    record = logging.LogRecord("rnnlab", logging.ERROR, __file__, 0, message, None, exc_info)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def quiet_background_failures() -> None:
+    """Failures in threads and callbacks that are not ours (Orbax's async saves, asyncio) go to
+    train.log: the main thread reports the failure once, in one line."""
+    logging.raiseExceptions = False  # a full disk must not make every log call print a traceback
+    absl = logging.getLogger("absl")  # Orbax: every file it writes at INFO, each failed save thrice with tracebacks
+    absl.setLevel(logging.WARNING)
+    absl.propagate = False
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler not in absl.handlers:
+            absl.addHandler(handler)
+    threading.excepthook = lambda args: log_to_file(
+        f"in thread {args.thread.name if args.thread else '?'}",
+        (args.exc_type, args.exc_value, args.exc_traceback))
+    sys.unraisablehook = lambda args: log_to_file(
+        f"unraisable: {args.err_msg or ''} {args.object!r}"[:500],
+        (args.exc_type, args.exc_value, args.exc_traceback))
+
+
+def exit_now(code: int | str | None) -> None:
+    """Exit with `code`, and if Python's exit is still waiting for other threads STUCK_THREAD_SECONDS
+    later, leave without them: after a failed save Orbax can leave threads that wait forever.
+    Threads that end by themselves (joblib's workers being shut down) are waited for as usual."""
+    def leave_without_them() -> None:
+        time.sleep(STUCK_THREAD_SECONDS)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else EXIT_BUG)
+
+    threading.Thread(target=leave_without_them, name="exit watchdog", daemon=True).start()
     sys.exit(code)
 
 
@@ -73,7 +123,7 @@ def sweep_job(task):
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 @sweep_job
 def main(cfg: DictConfig) -> float:
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax logs every file it writes at INFO
+    quiet_background_failures()
     try:
         config = from_omegaconf(cfg)
         from rnnlab.trainer import NonFiniteLossError, train_and_evaluate  # JAX loads once the config is good
@@ -84,6 +134,17 @@ def main(cfg: DictConfig) -> float:
             fail(str(e), EXIT_DIVERGED)
     except (ConfigError, CheckpointError) as e:
         fail(str(e), EXIT_BAD_INPUT)
+    except CheckpointSaveError as e:
+        log_to_file("cannot save a checkpoint", e.__cause__ or e)
+        fail(str(e), EXIT_CANNOT_WRITE)
+    except OSError as e:
+        log_to_file("cannot write the run dir", e)
+        fail(f"cannot write the run dir: {e}".splitlines()[0], EXIT_CANNOT_WRITE)
+    except Exception as e:  # a bug: one line here, the traceback in train.log
+        log_to_file("crashed", e)
+        log_file = Path(HydraConfig.get().runtime.output_dir) / "train.log"
+        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+             f"(the traceback is in {log_file})", EXIT_BUG)
     if results["status"] == "preempted":
         logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", results["step"])
         sys.exit(EXIT_PREEMPTED)
@@ -104,8 +165,7 @@ def hydra_error_line(e: Exception) -> str:
     return "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type=")))
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's errors reach us instead of printing them
+def run_cli() -> None:
     try:
         main()
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)
@@ -117,3 +177,12 @@ if __name__ == "__main__":
         fail(f"cannot write the run dir: {e}", EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         fail("aborted by a second interrupt; the last completed checkpoint is intact", EXIT_ABORTED)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # let Hydra's errors reach us instead of printing them
+    try:
+        run_cli()
+    except SystemExit as e:
+        exit_now(e.code)
+    exit_now(0)

@@ -2,41 +2,39 @@
 
 Orbax writes each step into a temporary directory and renames it into place only
 when complete, so a crash or SIGKILL mid-save leaves the previous step intact; the
-half-written temporary directory is ignored and cleaned up on the next start.
+half-written temporary directory is ignored and cleaned up on the next start. Each
+checkpoint holds two items: the train state, and the run record it was trained with (so
+that the config travels with the weights and a resume can be checked against it).
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import re
+import shutil
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
 from rnnlab import files
-from rnnlab.config import ConfigError
 
 log = logging.getLogger(__name__)
 
-RUN_CONFIG_FILE = "run_config.json"
-# Config keys that fix the shape or structure of the saved state: resuming with another
-# value cannot work, so it is refused by name before Orbax sees mismatched arrays.
-STRUCTURAL_KEYS = (
-    "model.cell",
-    "model.hidden_dim",
-    "model.num_layers",
-    "model.scan_layers",
-    "data.task",
-    "optimizer.name",
-)
+RUN_CONFIG_FILE = "run_config.json"  # the flat config the newest checkpoints were trained with
+HISTORY_FILE = "config_history.json"  # the changes accepted on resume, with their step
+STATE, RECORD = "state", "config"  # the Orbax items of a checkpoint: the train state and its run record
 
 
 class CheckpointError(RuntimeError):
     """No checkpoint in the run dir could be restored."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, read-only or failing storage)."""
 
 
 class Checkpointer:
@@ -57,33 +55,44 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._record: dict[str, Any] = {"run_config": {}, "config_history": []}
+        self._closed = False
+        self._failed = False  # a save failed: wait() removes its temporary dir
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def check_compatible(self, flat_config: Mapping[str, Any]) -> None:
-        """Refuse to resume with a config whose structural keys differ from the saved run's."""
-        path = self.directory / RUN_CONFIG_FILE
-        if not path.exists():
+    def saved_record(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, run record) of the newest checkpoint whose record reads, or None if none does.
+
+        A run record is {"run_config": flat config with the resolved device counts,
+        "config_history": [{"step", "changes"}, ...]}: what the checkpoint was trained with."""
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                record = self._manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
+            except Exception as e:  # noqa: BLE001 - an unreadable record: try an older checkpoint's
+                log.warning("checkpoint %s: its config cannot be read (%s)", self.directory / str(step),
+                            str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                continue
+            if _is_record(record):
+                return step, record
+        return None
+
+    def keep_record(self, record: dict[str, Any], write_files: bool = True) -> None:
+        """The run record every later save carries; also written (by one process: `write_files`) as
+        run_config.json and config_history.json, rewritten each start: a deleted or damaged one comes back."""
+        self._record = record
+        if not write_files:
             return
-        saved = json.loads(path.read_text())
-        for key in STRUCTURAL_KEYS:
-            if key in saved and saved[key] != flat_config.get(key):
-                raise ConfigError(
-                    f"key '{key}': this run dir was trained with {saved[key]!r}, now {flat_config.get(key)!r}; "
-                    f"use the same value to resume, or a new hydra.run.dir (or checkpoint.resume=false there)"
-                )
+        files.write_json(self.directory / RUN_CONFIG_FILE, record["run_config"])
+        history = self.directory / HISTORY_FILE
+        if record["config_history"]:
+            files.write_json(history, record["config_history"])
+        else:
+            history.unlink(missing_ok=True)
 
-    def saved_run_config(self) -> dict[str, Any]:
-        """The flat config this run dir was first trained with ({} if none was recorded)."""
-        return files.read_json_object(self.directory / RUN_CONFIG_FILE)
-
-    def write_run_config(self, flat_config: Mapping[str, Any]) -> None:
-        """Record the config that this run dir's checkpoints are trained with."""
-        files.write_json(self.directory / RUN_CONFIG_FILE, dict(flat_config))
-
-    def restore_latest(self, target: Any) -> tuple[Any, int] | None:
-        """(state, step) from the newest restorable checkpoint, or None if there is none.
+    def restore_latest(self, target: Any) -> tuple[Any, int, dict[str, Any]] | None:
+        """(state, step, run record) from the newest restorable checkpoint, or None if there is none.
 
         A checkpoint that fails to restore is reported with its path, renamed to
         `<step>.unreadable` (kept for inspection, invisible to Orbax, so the step can be
@@ -95,7 +104,10 @@ class Checkpointer:
         for step in steps:
             path = self.directory / str(step)
             try:
-                state = self._manager.restore(step, args=ocp.args.StandardRestore(target))
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    **{STATE: ocp.args.StandardRestore(target), RECORD: ocp.args.JsonRestore()}))
+                if not _is_record(restored[RECORD]):
+                    raise ValueError(f"its config record is not one: {str(restored[RECORD])[:100]}")
             except Exception as e:  # noqa: BLE001 - any failure to read this step means: try an older one
                 log.warning("checkpoint %s cannot be restored (%s)", path, str(e).splitlines()[0][:300])
                 failures.append(path)
@@ -105,7 +117,7 @@ class Checkpointer:
                 log.warning("fell back from %s to step %d; kept it as %s.unreadable", bad, step, bad.name)
             if failures:
                 self._manager.reload()
-            return state, step
+            return restored[STATE], step, restored[RECORD]
         if failures:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} can be restored (tried steps {', '.join(p.name for p in failures)}); "
@@ -117,14 +129,50 @@ class Checkpointer:
         return self._manager.should_save(step)
 
     def save(self, step: int, state: Any, force: bool = False) -> bool:
-        """Start an async save of `state` (unreplicated) at `step`; returns whether one started."""
-        return self._manager.save(step, args=ocp.args.StandardSave(state), force=force)
+        """Start an async save of `state` (unreplicated) at `step`; returns whether one started.
+        CheckpointSaveError if this save, or the one still in flight, failed."""
+        args = {STATE: ocp.args.StandardSave(state), RECORD: ocp.args.JsonSave(self._record)}
+        try:
+            return self._manager.save(step, args=ocp.args.Composite(**args), force=force)
+        except Exception as e:  # noqa: BLE001 - Orbax reports I/O failures as ValueError, OSError, ...
+            raise self._save_failed(e) from e
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Until the save in flight is on disk; CheckpointSaveError if it failed. After a failed save
+        its temporary dir is removed: it is garbage (the next start would remove it) and, on a full
+        disk, the room that results.json needs."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            raise self._save_failed(e) from e
+        finally:
+            if self._failed:
+                for tmp in self.directory.glob("*.orbax-checkpoint-tmp*"):
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    def _save_failed(self, error: Exception) -> CheckpointSaveError:
+        self._failed = True
+        text = str(error).strip()
+        os_error = re.search(r"([A-Za-z][A-Za-z ,-]+) \[os_error_code='(\d+)'\]", text)  # tensorstore's wording
+        reason = (f"{os_error.group(1).strip()}, errno {os_error.group(2)}" if os_error
+                  else text.splitlines()[0][:200] if text else type(error).__name__)
+        return CheckpointSaveError(f"cannot save a checkpoint in {self.directory} ({reason}); the newest "
+                                   f"saved one is step {self.latest_step()}")
 
     def close(self) -> None:
-        self._manager.close()
+        """Idempotent, and quiet: it runs on failure paths, where the save error was already raised."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._manager.close()
+        except Exception as e:  # noqa: BLE001
+            log.debug("closing the checkpoint manager: %s", e)
+
+
+def _is_record(value: Any) -> bool:
+    return (isinstance(value, dict) and isinstance(value.get("run_config"), dict)
+            and isinstance(value.get("config_history"), list))
 
 
 class PreemptionGuard:

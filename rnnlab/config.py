@@ -8,6 +8,7 @@ whose one-line message names the key, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Mapping, Optional
@@ -23,6 +24,9 @@ PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 STRATEGIES = ("pmap", "shard_map")
 
 NONFINITE_POLICIES = ("stop", "skip")
+MAX_DEVICES = 64  # per process: more local accelerators than any host has, and simulated CPU devices beyond
+# about this many spend their time in all-reduce rendezvous (1000 ended in an XLA abort)
+SEED_LIMIT = 2**32  # jax.random.key(seed) keeps the low 32 bits
 # Train steps one dispatch may run: half of the 16 steps the loop lets queue (loop.MAX_STEPS_IN_FLIGHT),
 # so that one dispatch always runs while the host reads the one before.
 MAX_STEPS_PER_DISPATCH = 8
@@ -86,6 +90,7 @@ class DistributedConfig:
     coordinator_address: Optional[str]
     num_processes: Optional[int]
     process_id: Optional[int]
+    bind_address: Optional[str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +99,7 @@ class CheckpointConfig:
     every: int
     keep: int
     resume: bool
+    allow_changes: tuple[str, ...]  # keys a resume may change from the checkpoint's config (rnnlab.rundir)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +224,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     )
     if not ok:
         raise ConfigError(f"key '{key}': got {value!r}, expected {_type_name(tp)}")
+    if tp is float and not math.isfinite(value):
+        raise ConfigError(f"key '{key}': got {value!r}, expected a finite number")
     return float(value) if tp is float else value
 
 
@@ -262,7 +270,9 @@ def validate(c: Config) -> None:
     """Range and choice checks; raises ConfigError on the first problem."""
     for key in ("steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches"):
         _positive(key, getattr(c, key))
-    _non_negative("seed", c.seed)
+    if not 0 <= c.seed < SEED_LIMIT:
+        raise ConfigError(f"key 'seed': got {c.seed}, allowed: 0 .. {SEED_LIMIT - 1} "
+                          f"(JAX keys hold 32 bits: a larger seed would repeat a smaller one's run)")
     _choice("on_nonfinite", c.on_nonfinite, NONFINITE_POLICIES)
     _validate_model(c)
     _choice("data.task", c.data.task, tasks.task_names())
@@ -273,6 +283,11 @@ def validate(c: Config) -> None:
     _validate_devices(c)
     _non_negative("checkpoint.every", c.checkpoint.every)
     _positive("checkpoint.keep", c.checkpoint.keep)
+    known = set(flatten(c))
+    for name in c.checkpoint.allow_changes:
+        if name not in known:
+            raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
+                              f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
     _positive("profile.start_step", c.profile.start_step)
     _non_negative("profile.num_steps", c.profile.num_steps)
 
@@ -326,8 +341,10 @@ def _validate_devices(c: Config) -> None:
         )
     _choice("device.platform", c.device.platform, PLATFORMS)
     _choice("device.strategy", c.device.strategy, STRATEGIES)
-    if c.device.num_devices is not None:
-        _positive("device.num_devices", c.device.num_devices)
+    n = c.device.num_devices
+    if n is not None and not 1 <= n <= MAX_DEVICES:
+        raise ConfigError(f"key 'device.num_devices': got {n}, allowed: null or 1 .. {MAX_DEVICES} "
+                          f"(the devices of one process; a CPU simulates that many)")
     k = c.device.steps_per_dispatch
     if k is not None and not 1 <= k <= MAX_STEPS_PER_DISPATCH:
         raise ConfigError(f"key 'device.steps_per_dispatch': got {k}, allowed: null or 1 .. {MAX_STEPS_PER_DISPATCH}")

@@ -9,7 +9,10 @@ measured (`choose_device_count`, docs/design.md).
 
 from __future__ import annotations
 
+import logging
 import os
+import reprlib
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +22,8 @@ import jax
 import numpy as np
 
 from rnnlab import files
+
+log = logging.getLogger(__name__)
 
 
 def configure_cpu_backend(num_devices: int | None, batch_size: int, distributed: bool) -> None:
@@ -88,23 +93,43 @@ def device_count_is_open(num_devices: int | None, devices: Sequence[jax.Device])
             and len(devices) > 1)
 
 
+MAX_SECONDS_PER_STEP = 3600.0  # a cached step time at or above this is no measurement of a step that trains
+
+
+def cached_device_count_problem(cached: Any, candidates: Sequence[int]) -> str | None:
+    """Why a `choose_device_count` cache entry must not be used (None: it may): its count must be an
+    int among `candidates`, and each candidate needs a time in (0, MAX_SECONDS_PER_STEP) seconds."""
+    if not isinstance(cached, dict):
+        return f"not an object but {reprlib.repr(cached)}"
+    count, timings = cached.get("num_devices"), cached.get("seconds_per_step")
+    if isinstance(count, bool) or not isinstance(count, int) or count not in candidates:
+        return f"num_devices {reprlib.repr(count)} is not one of {list(candidates)}"
+    if not isinstance(timings, dict):
+        return f"seconds_per_step {reprlib.repr(timings)} is not an object"
+    for n in candidates:
+        t = timings.get(str(n))
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < MAX_SECONDS_PER_STEP:
+            return f"seconds_per_step of {n} devices is {reprlib.repr(t)}, not in (0, {MAX_SECONDS_PER_STEP:g}) seconds"
+    return None
+
+
 def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: Callable[[int], float],
                         cache_file: Path, margin: float = 0.05) -> tuple[int, dict[int, float], bool]:
     """The candidate count whose train step measures fastest, remembered per `key` in `cache_file`.
 
     Which count wins depends on the model (see the module docstring), so it is measured
     once per key (machine, candidates, XLA_FLAGS, model, batch, data) and later runs read
-    it back. More devices must win by
+    it back, unless the entry is damaged or implausible (`cached_device_count_problem`): that
+    one is measured again and overwritten. More devices must win by
     `margin` to be chosen over fewer. Returns (count, seconds per step by count, from cache).
     """
     entries = files.read_json_object(cache_file)
-    try:
-        cached = entries.get(key)
-        count = int(cached["num_devices"])
-        if count in candidates:
-            return count, {int(n): float(t) for n, t in cached["seconds_per_step"].items()}, True
-    except (TypeError, KeyError, ValueError, AttributeError):
-        pass  # no entry, or a damaged one: measure (and overwrite it)
+    if key in entries:
+        cached = entries[key]
+        problem = cached_device_count_problem(cached, candidates)
+        if problem is None:
+            return cached["num_devices"], {n: float(cached["seconds_per_step"][str(n)]) for n in sorted(candidates)}, True
+        log.warning("%s: the cached device count is not used (%s): measuring again", cache_file, problem)
     timings = {n: seconds_per_step(n) for n in sorted(candidates)}
     best = min(candidates)
     for n in sorted(candidates):
@@ -155,9 +180,51 @@ def pin_lock_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"rnnlab-cpu-pins-{os.getuid()}"
 
 
+def lock_dir_problem(lock_dir: Path) -> str | None:
+    """Create `lock_dir` (mode 0o700) if it is missing; then why it must not hold pin locks, or None.
+
+    The default one sits in the shared temp dir under a name anyone can predict, so a directory
+    or link another user made there could steer the lock files this process creates (as root,
+    say) onto files of their choosing: it must be a real directory, not a link, of this user,
+    and writable by no one else.
+    """
+    try:
+        lock_dir.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        return f"cannot be created ({e.strerror or e})"
+    try:
+        info = os.lstat(lock_dir)
+    except OSError as e:
+        return f"cannot be inspected ({e.strerror or e})"
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a directory"
+    if info.st_uid != os.getuid():
+        return f"it belongs to uid {info.st_uid}, not this user ({os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"others may write to it (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _open_lock(path: Path) -> Any | None:
+    """`path` opened for a lock (created 0o600 if missing), or None if it is a symbolic link,
+    which O_NOFOLLOW refuses to follow."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError:
+        if os.path.islink(path):
+            return None
+        raise
+    return os.fdopen(fd, "r+")
+
+
 def pin_to_free_core(lock_dir: Path | None = None) -> int | None:
     """Pin this process to one CPU core that no other process pinned through `lock_dir` holds.
-    Returns the core, or None (not pinned) when every core of the affinity mask is held.
+    Returns the core, or None (not pinned) when every core of the affinity mask is held, or
+    when `lock_dir` is not safe to use (`lock_dir_problem`: one warning says why).
 
     For sweep jobs run side by side, one per core. XLA's CPU client sizes its thread pool
     from the affinity mask when the backend starts, and `--xla_cpu_multi_thread_eigen=false`
@@ -173,9 +240,15 @@ def pin_to_free_core(lock_dir: Path | None = None) -> int | None:
     import fcntl
 
     lock_dir = lock_dir or pin_lock_dir()
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    problem = lock_dir_problem(lock_dir)
+    if problem is not None:
+        log.warning("not pinning this process to a core: the lock dir %s is unsafe, %s", lock_dir, problem)
+        return None
     for core in sorted(os.sched_getaffinity(0)):
-        lock = open(lock_dir / f"cpu{core}.lock", "a")  # noqa: SIM115 - held open on purpose
+        lock = _open_lock(lock_dir / f"cpu{core}.lock")  # held open on purpose
+        if lock is None:  # never followed; the other cores' files are still safe, so skip it as if held
+            log.warning("not pinning to core %d: its lock file %s is a symbolic link", core, lock_dir / f"cpu{core}.lock")
+            continue
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -40,18 +40,23 @@ kind: dtype and precision).
 Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
 default `~/.cache/rnnlab/`), or measures a quick one (an N=1024 matmul, about a
-second) and caches it. A peak is per `PEAK_KINDS` entry, a dtype and a matmul precision:
-the model's float32 matmuls run at JAX's default precision, which is TF32 on NVIDIA
-GPUs since Ampere (and bf16 passes on TPU), so its MFU divides by the
-`float32_default` peak, not the full-float32 one (`model_peak_kind`); on CPU the two
-are the same. MFU = model FLOPs per second / (peak x devices); on CPU the simulated
+second) and caches it; a cached peak that is not plausible (`peak_entry_problem`) is
+ignored with a warning naming the file, and measured again. A peak is per `PEAK_KINDS`
+entry, a dtype and a matmul precision: the model's float32 matmuls run at JAX's default
+precision, which is TF32 on NVIDIA GPUs since Ampere (and bf16 passes on TPU), so its MFU
+divides by the `float32_default` peak, not the full-float32 one (`model_peak_kind`); on
+CPU the two are the same. MFU = model FLOPs per second / (peak x devices); on CPU the simulated
 devices share the cores of one process, so their peak is used once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import math
 import platform
+import reprlib
 import statistics
 import time
 from pathlib import Path
@@ -62,6 +67,8 @@ import numpy as np
 from rnnlab import cpu, files, models
 from rnnlab.cells import get_cell
 from rnnlab.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +169,10 @@ def xla_flops(compiled: Any) -> float:
 # --- Device peak and MFU ------------------------------------------------------------------------
 
 QUICK_N = 1024  # matmul size of the quick measurement training does when nothing is cached
+# A cached peak outside these FLOP/s is no measurement of a device JAX runs on: at 1e6 the quick
+# measurement alone would take half an hour, and 1e18 is hundreds of today's fastest chips.
+PEAK_BOUNDS = (1e6, 1e18)
+QUICK_FACTOR = 20.0  # how far a cached peak may lie from the quick measurement its entry records
 
 # Peak kinds: (dtype, matmul precision). float32 is full float32 (precision=HIGHEST);
 # float32_default is what jnp.matmul does with float32 by default, and so what the model
@@ -204,12 +215,72 @@ def load_peaks() -> dict:
     return files.read_json_object(cache_path())
 
 
+def _read_peaks(path: Path) -> tuple[dict, str | None]:
+    """The cache file's object, and what is wrong with the file if it cannot be used (None when it
+    can, or does not exist)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}, None
+    except OSError as e:
+        return {}, f"unreadable ({e.strerror or e})"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}, "not JSON"
+    if not isinstance(value, dict):
+        return {}, f"not a JSON object but {reprlib.repr(value)}"
+    return value, None
+
+
+def _as_peak(value: Any) -> float | None:
+    """`value` as FLOP/s if it is a real number (not a bool) within PEAK_BOUNDS, else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return value if math.isfinite(value) and PEAK_BOUNDS[0] <= value <= PEAK_BOUNDS[1] else None
+
+
+def peak_entry_problem(entry: Any) -> str | None:
+    """Why a cached peak entry must not be used, or None if it may.
+
+    A hand-edited or damaged cache must never reach the MFU, and checking an entry against a
+    fresh measurement on every run would cost a second a run, so the check is against what
+    the entry itself records: `flops_per_sec` must be a number within PEAK_BOUNDS and, where
+    the entry has a `quick_flops_per_sec` (the quick measurement it was taken as, which
+    `peak_flops` stores with every peak it measures), within QUICK_FACTOR of that, so an edit
+    of one figure alone is caught. Entries without one (`scripts/peak_flops.py`'s sweeps, whose
+    figure is the measurement the quick one would only approximate) get the bounds alone.
+    """
+    if not isinstance(entry, dict):
+        return f"not an object but {reprlib.repr(entry)}"
+    allowed = f"is not a number of FLOP/s in [{PEAK_BOUNDS[0]:g}, {PEAK_BOUNDS[1]:g}]"
+    peak = _as_peak(entry.get("flops_per_sec"))
+    if peak is None:
+        return f"flops_per_sec {reprlib.repr(entry.get('flops_per_sec'))} {allowed}"
+    if "quick_flops_per_sec" in entry:
+        quick = _as_peak(entry["quick_flops_per_sec"])
+        if quick is None:
+            return f"quick_flops_per_sec {reprlib.repr(entry['quick_flops_per_sec'])} {allowed}"
+        if not 1 / QUICK_FACTOR <= peak / quick <= QUICK_FACTOR:
+            return f"flops_per_sec {peak:g} is more than {QUICK_FACTOR:g}x from the quick measurement {quick:g} recorded with it"
+    return None
+
+
 def save_peak(device: Any, kind: str, peak: float, source: str, **extra: Any) -> None:
-    """Record `peak` FLOP/s for this device kind and `PEAK_KINDS` kind (atomic write; other entries kept)."""
+    """Record `peak` FLOP/s for this device kind and `PEAK_KINDS` kind (atomic write; other entries kept,
+    a damaged file or device entry replaced). `extra` goes into the entry (`quick_flops_per_sec`:
+    see `peak_entry_problem`)."""
     path = cache_path()
     peaks = load_peaks()
     entry = {"flops_per_sec": peak, "source": source, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), **extra}
-    peaks.setdefault(device_key(device), {})[kind] = entry
+    key = device_key(device)
+    if not isinstance(peaks.get(key), dict):
+        peaks[key] = {}
+    peaks[key][kind] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     files.write_json(path, peaks)
 
@@ -245,27 +316,44 @@ def measure_matmul_flops(n: int, kind: str, device: Any = None, repeats: int = 1
 
 
 def peak_flops(device: Any, kind: str = "float32", measure: bool = True) -> float | None:
-    """Cached peak matmul FLOP/s of this device kind and `PEAK_KINDS` kind; if none, a quick
-    measurement (cached). On CPU float32_default is float32 (the same matmul)."""
-    entries = load_peaks().get(device_key(device), {})
-    entry = entries.get(kind)
-    if not entry and kind == "float32_default" and device.platform == "cpu":
-        kind, entry = "float32", entries.get("float32")
-    if entry:
-        return float(entry["flops_per_sec"])
+    """Cached peak matmul FLOP/s of this device kind and `PEAK_KINDS` kind; if none, or none that
+    `peak_entry_problem` lets through (each one ignored with a warning), a quick measurement,
+    cached in place of the bad ones. On CPU float32_default is float32 (the same matmul)."""
+    path = cache_path()
+    peaks, damage = _read_peaks(path)
+    if damage:
+        log.warning("%s is %s: ignored%s", path, damage, ", measuring the peak again and rewriting the file" if measure else "")
+    key = device_key(device)
+    entries = peaks.get(key, {})
+    if not isinstance(entries, dict):
+        log.warning("%s: the entry of %s is not an object but %s: ignored", path, key, reprlib.repr(entries))
+        entries = {}
+    kinds = [kind, "float32"] if kind == "float32_default" and device.platform == "cpu" else [kind]
+    bad = []
+    for k in kinds:
+        if k in entries:
+            problem = peak_entry_problem(entries[k])
+            if problem is None:
+                return float(entries[k]["flops_per_sec"])
+            log.warning("%s: ignoring the cached %s peak of %s: %s", path, k, key, problem)
+            bad.append(k)
     if not measure:
         return None
-    peak = measure_matmul_flops(QUICK_N, kind, device, repeats=5, min_seconds=0.05)
+    peak = measure_matmul_flops(QUICK_N, kinds[-1], device, repeats=5, min_seconds=0.05)
     try:
-        save_peak(device, kind, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)", n=QUICK_N)
+        for k in dict.fromkeys([kinds[-1], *bad]):
+            save_peak(device, k, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)",
+                      n=QUICK_N, quick_flops_per_sec=peak)
     except OSError:
         pass  # a read-only home still gets its MFU, just without the cache
     return peak
 
 
 def mfu(flops_per_sec: float | None, peak: float | None, devices: list) -> float | None:
-    """Model-FLOP utilisation; `peak` is one device's (the host's, on CPU)."""
+    """Model-FLOP utilisation; `peak` is one device's (the host's, on CPU). None where it cannot be
+    one: a missing figure, or a result that is not a finite positive number."""
     if not flops_per_sec or not peak:
         return None
     chips = 1 if devices[0].platform == "cpu" else len(devices)
-    return flops_per_sec / (peak * chips)
+    value = flops_per_sec / (peak * chips)
+    return value if math.isfinite(value) and value > 0 else None

@@ -87,7 +87,8 @@ def train_loop(run: Run, state: Any, start_step: int) -> tuple[str, Any]:
 
 
 def _dispatch(run: Run, queue: MetricQueue, state: Any, step: int, n: int) -> tuple[Any, int]:
-    """Dispatch steps step+1 .. step+n; the throughput clock starts after the first (compiling) dispatch."""
+    """Dispatch steps step+1 .. step+n; the throughput clock starts after the first dispatch (which
+    compiles, unless `dispatch.compile` did it before: its time counts as compile time either way)."""
     run.profiler.begin(step + 1)
     dispatched_at = time.perf_counter()
     state, metrics = run.dispatch(state, n)
@@ -98,7 +99,7 @@ def _dispatch(run: Run, queue: MetricQueue, state: Any, step: int, n: int) -> tu
         run.timed_steps += n
     else:
         jax.block_until_ready(metrics)
-        run.compile_seconds = time.perf_counter() - dispatched_at
+        run.compile_seconds = (run.compile_seconds or 0.0) + time.perf_counter() - dispatched_at
         run.clock.start()
         queue.open_window()
     run.final_step = step

@@ -32,6 +32,7 @@ class MetricWriter:
     def __init__(self, logdir: Path, purge_step: int | None = None, enabled: bool = True):
         # Disabled (processes other than 0): nothing is written or created on disk.
         self._writer = SummaryWriter(logdir=str(logdir), purge_step=purge_step, flush_secs=30, write_to_disk=enabled)
+        self._closed = False
 
     def write_scalars(self, step: int, scalars: Mapping[str, float | None]) -> None:
         for tag, value in scalars.items():
@@ -50,6 +51,10 @@ class MetricWriter:
         self._writer.flush()
 
     def close(self) -> None:
+        """Idempotent: the trainer's failure paths may close it again."""
+        if self._closed:
+            return
+        self._closed = True
         _, _, session_end = hparams_summaries({}, {})
         self._writer._get_file_writer().add_summary(session_end)
         self._writer.close()

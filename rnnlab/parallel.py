@@ -8,6 +8,7 @@ a job may still use fewer devices than exist, and is refused if it wants more.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import jax
@@ -37,20 +38,46 @@ def configure_backend(config: DeviceConfig, batch_size: int, distributed: bool =
         cpu.configure_cpu_backend(config.num_devices, batch_size, distributed)
 
 
+def coordinator_bind_address(coordinator_address: str | None, bind_address: str | None) -> str | None:
+    """Where process 0's coordinator service listens: `bind_address` if set, else the host and
+    port of `coordinator_address` (the address the other processes connect to), not JAX's
+    default of every interface; None (JAX's choice) when neither is set.
+
+    A ConfigError if `coordinator_address` is not host:port (an IPv6 host in brackets: [::1]:1234).
+    """
+    if bind_address is not None:
+        return bind_address
+    if coordinator_address is None:
+        return None
+    host, sep, port = coordinator_address.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if not sep or not host or not port.isdigit() or (":" in host and not bracketed):
+        raise ConfigError(
+            f"key 'distributed.coordinator_address': got {coordinator_address!r}, must be host:port "
+            f"(an IPv6 host in brackets, e.g. [::1]:12355)"
+        )
+    return f"{host}:{port}"
+
+
 def initialize_distributed(config: DistributedConfig, platform: str) -> None:
     """Join the multi-process JAX runtime (after `configure_backend`, before any device query).
 
     Null fields are left to JAX's auto-detection (TPU pods, SLURM). On CPU, collectives
-    across processes go through gloo.
+    across processes go through gloo. The coordinator listens where `coordinator_bind_address`
+    says, unless JAX_COORDINATOR_BIND_ADDRESS is set and `distributed.bind_address` is not.
     """
     if not config.enabled or jax.distributed.is_initialized():
         return
     if platform in ("auto", "cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    bind = config.bind_address
+    if bind is None and not os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):
+        bind = coordinator_bind_address(config.coordinator_address, None)
     jax.distributed.initialize(
         coordinator_address=config.coordinator_address,
         num_processes=config.num_processes,
         process_id=config.process_id,
+        coordinator_bind_address=bind,
     )
 
 

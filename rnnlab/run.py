@@ -137,14 +137,16 @@ class Run:
         log.info("eval step %d | loss %.4f%s | baseline loss %.4f", step, metrics["loss"],
                  _format_metrics(self.task, metrics), self.task.baseline_loss)
 
-    def results(self, status: str, step: int, num_params: int, wall_start: float) -> dict[str, Any]:
-        """results.json's dict. `eval_metric` is the task's first metric (`eval_metrics` has them all)."""
+    def results(self, status: str, step: int, num_params: int, wall_start: float,
+                error: str | None = None) -> dict[str, Any]:
+        """results.json's dict. `eval_metric` is the task's first metric (`eval_metrics` has them all);
+        `error` says why a run that did not complete stopped."""
         elapsed = self.clock.elapsed()
         tokens_per_sec = self.timed_steps * self.tokens_per_step / elapsed if self.timed_steps and elapsed else None
         flops_per_sec = tokens_per_sec * self.flops_per_step / self.tokens_per_step if tokens_per_sec else None
         headline = self.task.metric_names[0] if self.task.metric_names else None
         return {
-            "status": status, "step": step, "task": self.task.name,
+            "status": status, "error": error, "step": step, "task": self.task.name,
             "train_loss": finite_or_none(self.last_train.get("loss")),
             "eval_loss": finite_or_none(self.last_eval.get("loss")),
             "eval_metric": finite_or_none(self.last_eval.get(headline)) if headline else None,

@@ -146,7 +146,11 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
     stacking the metrics one device-to-host copy per dispatch instead of one per metric.
     With max_steps > 1 the steps run in a `fori_loop` whose trip count is an argument, so
     every n shares one compilation and the same loop body: a run resumed mid-way reaches
-    the same numbers."""
+    the same numbers.
+
+    `dispatch.compile(state)` compiles it ahead of the first call (which then runs that
+    executable) and returns XLA's memory analysis of it, so that a step that cannot fit is
+    refused before it runs."""
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     skip = config.on_nonfinite == "skip"
     update = functools.partial(train_step, task=task, schedule=schedule, skip_nonfinite=skip, seed=config.seed)
@@ -166,6 +170,12 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
                 raise ValueError(f"n={n} steps: this dispatch runs 1")
             return single(state)  # metrics f32[len(names)]: one row
 
+        def compile_one(state):
+            nonlocal single
+            single = single.lower(state).compile()
+            return single.memory_analysis()
+
+        dispatch_one.compile = compile_one
         return dispatch_one
 
     def steps(state, n):
@@ -186,6 +196,12 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
             counts[n] = dp.host_scalar(n)
         return mapped(state, counts[n])
 
+    def compile_all(state):
+        nonlocal mapped
+        mapped = mapped.lower(state, dp.host_scalar(max_steps)).compile()
+        return mapped.memory_analysis()
+
+    dispatch.compile = compile_all
     return dispatch
 
 

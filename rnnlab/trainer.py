@@ -6,6 +6,7 @@ The state is unreplicated (NumPy) for the checkpointer and replicated inside the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -19,21 +20,19 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab import config as cfg
-from rnnlab import cpu, flops, parallel, tasks
-from rnnlab.checkpoint import Checkpointer
+from rnnlab import cpu, flops, memory, parallel, tasks
+from rnnlab.checkpoint import CheckpointError, Checkpointer, CheckpointSaveError
 from rnnlab.loop import MAX_STEPS_IN_FLIGHT, train_loop
 from rnnlab.metrics import MetricWriter, hparam_metric_tags, write_results
 from rnnlab.models import build_model, count_params, summary_table
 from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
 from rnnlab.run import NonFiniteLossError, Run
+from rnnlab.rundir import DEVICES_USED_KEY, DISPATCH_USED_KEY, RunDirLock, resume_changes
 from rnnlab.steps import (PARAMS_STREAM, create_train_state, default_steps_per_dispatch, eval_step, make_dispatch,
                           make_optimizer, make_sampler)
 
 log = logging.getLogger(__name__)
-
-DEVICES_USED_KEY = "device.num_devices_used"  # in checkpoints/run_config.json: what a resumed run keeps
-DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # in checkpoints/run_config.json: recorded only
 
 
 @dataclasses.dataclass
@@ -52,54 +51,103 @@ class _Setup:
     steps_per_dispatch: int
     primary: bool
     device_note: str = ""  # how the device count was chosen, for the start line
+    saved: tuple[int, dict] | None = None  # (step, run record) of the checkpoint a resume starts from
 
 
 def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any]:
     """Train `config` in run dir `workdir` (resuming there if it holds checkpoints); returns results.json's dict.
 
-    Raises ConfigError for bad input (before anything compiles), CheckpointError if no
-    checkpoint of the run dir can be restored, NonFiniteLossError if training diverges
-    (with on_nonfinite=stop). results.json is written in every case: `status` is
-    "completed", "preempted" (SIGTERM/first SIGINT), "diverged", "aborted" (second SIGINT)
-    or "failed".
+    Raises ConfigError for bad input (before anything compiles: a held run dir, a refused
+    resume change, a step that cannot fit in memory included), CheckpointError if no
+    checkpoint of the run dir can be restored, CheckpointSaveError or OSError if the run dir
+    cannot be written, NonFiniteLossError if training diverges (with on_nonfinite=stop).
+    Once training has started, results.json is written in every case the disk allows:
+    `status` is "completed", "preempted" (SIGTERM/first SIGINT), "diverged", "aborted"
+    (second SIGINT) or "failed", and `error` says why it stopped early.
     """
     wall_start = time.perf_counter()
-    setup = _set_up(config, Path(workdir))
-    state, start_step = _restore_or_init(setup)
-    run = _make_run(setup, start_step)
-    num_params = count_params(state.params)
-    _log_start(run, num_params, setup.device_note)
-    return _train(run, setup, run.dp.replicate(state), start_step, num_params, wall_start)
-
-
-def _set_up(config: cfg.Config, workdir: Path) -> _Setup:
-    """Devices, task, model, optimizer and checkpointer; refuses a run dir it must not resume."""
+    workdir = Path(workdir)
     _check_writable(workdir)
     parallel.configure_backend(config.device, config.batch_size, config.distributed.enabled)
     parallel.initialize_distributed(config.distributed, config.device.platform)
     devices = parallel.select_devices(config.device, config.batch_size)
+    with contextlib.ExitStack() as cleanup:
+        cleanup.enter_context(RunDirLock(workdir, jax.process_index()))
+        checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every, config.checkpoint.keep)
+        cleanup.callback(checkpointer.close)  # on any failure: Orbax's threads end, the process can exit
+        try:
+            setup = _set_up(config, workdir, devices, checkpointer)
+            state, start_step = _restore_or_init(setup)
+            run = _make_run(setup, start_step)
+            cleanup.callback(run.writer.close)
+            num_params = count_params(state.params)
+            state = run.dp.replicate(state)
+            _compile_and_check_memory(run, state)
+        except Exception as e:
+            if memory.is_out_of_memory(e):
+                raise memory.out_of_memory_error(e, config) from None
+            raise
+        _log_start(run, num_params, setup.device_note)
+        return _train(run, setup, state, start_step, num_params, wall_start)
+
+
+def _set_up(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpointer) -> _Setup:
+    """Task, model, optimizer and the device count; refuses a run dir it must not resume, and a run that cannot fit."""
     primary = parallel.is_primary()
     if not primary:  # one voice: process 0 logs, writes events, results.json and the summary
         log.setLevel(logging.WARNING)
     _log_pinning(devices)
     parallel.check_batch_divides(config.batch_size, len(devices))
     task = tasks.make_task(config.data)
-    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every, config.checkpoint.keep)
     latest = checkpointer.latest_step()
-    if latest is not None and not config.checkpoint.resume:
-        raise cfg.ConfigError(
-            f"key 'checkpoint.resume': false, but {checkpointer.directory} already holds step {latest}; "
-            f"use a new hydra.run.dir, or checkpoint.resume=true to continue it"
-        )
-    checkpointer.check_compatible(cfg.flatten(config))
+    saved = None
+    if latest is not None:
+        if not config.checkpoint.resume:
+            raise cfg.ConfigError(
+                f"key 'checkpoint.resume': false, but {checkpointer.directory} already holds step {latest}; "
+                f"use a new hydra.run.dir, or checkpoint.resume=true to continue it"
+            )
+        saved = checkpointer.saved_record()
+        if saved is None:
+            raise CheckpointError(f"no checkpoint in {checkpointer.directory} can be restored (none has a readable "
+                                  f"config item: damaged, or written before checkpoints carried their config); "
+                                  f"move them away or use a new hydra.run.dir")
+        recorded_config = saved[1]["run_config"]  # the device count is compared once it is chosen
+        resume_changes(recorded_config, _now(config, recorded_config.get(DEVICES_USED_KEY), None),
+                       config.checkpoint.allow_changes)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     setup = _Setup(config, workdir, task, build_model(config.model, task.output_dim, devices[0].platform), tx,
                    schedule, jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM), checkpointer, devices,
-                   config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform), primary)
+                   config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform), primary,
+                   saved=saved)
+    _check_state_fits(setup)
     if cpu.device_count_is_open(config.device.num_devices, devices):
-        recorded = checkpointer.saved_run_config().get(DEVICES_USED_KEY) if latest is not None else None
+        recorded = saved[1]["run_config"].get(DEVICES_USED_KEY) if saved else None
         setup.devices, setup.device_note = _fastest_devices(setup, recorded)
     return setup
+
+
+def _now(config: cfg.Config, num_devices: int | None, steps_per_dispatch: int | None) -> dict[str, Any]:
+    """The run record's flat config: `config` with the resolved device count and dispatch size, as
+    JSON gives it back (lists, not tuples), so that it compares equal to a saved one."""
+    flat = {**cfg.flatten(config), DISPATCH_USED_KEY: steps_per_dispatch}
+    if num_devices is not None:
+        flat[DEVICES_USED_KEY] = num_devices
+    return json.loads(json.dumps(flat))
+
+
+def _check_state_fits(setup: _Setup) -> None:
+    """Before anything is allocated: the train state (on the host and on each local device) and
+    the batches (train and eval) must fit in the free memory (shapes only, nothing computed)."""
+    config, task = setup.config, setup.task
+    example = jax.ShapeDtypeStruct((1, task.total_len, task.input_dim), jnp.float32)
+    state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx), example)
+    stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
+    batch = jax.eval_shape(lambda: tasks.sample_batch(task, stream, 0, 0, config.batch_size))
+    local = parallel.local_count(setup.devices)
+    batches = memory.tree_bytes(batch) * (config.eval_batches + 1) / max(1, jax.process_count())
+    memory.check_fits("the train state and the batches", host_bytes=memory.tree_bytes(state),
+                      device_bytes=memory.tree_bytes(state) + batches / local, devices=setup.devices, config=config)
 
 
 def _log_pinning(devices: list) -> None:
@@ -126,6 +174,7 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
         example = jnp.zeros((per_device, setup.task.total_len, setup.task.input_dim), jnp.float32)
         state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx))
         dispatch = make_dispatch(config, setup.task, setup.schedule, dp, per_device, k)
+        _check_step_fits(dispatch.compile(state), devices[:n], config)
         return cpu.seconds_per_step(dispatch, state, k, MAX_STEPS_IN_FLIGHT)
 
     candidates = [1, len(devices)]
@@ -140,7 +189,8 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
 
 
 def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
-    """(unreplicated state, its step): this run dir's newest restorable checkpoint, else a fresh one."""
+    """(unreplicated state, its step): this run dir's newest restorable checkpoint, else a fresh one.
+    Either way the run record (config, accepted changes) that later checkpoints carry is kept."""
     config, task = setup.config, setup.task
     per_device = parallel.check_batch_divides(config.batch_size, len(setup.devices))
     example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
@@ -149,13 +199,18 @@ def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
         (setup.workdir / "model_summary.txt").write_text(summary)
         print(summary)
     state = create_train_state(setup.params_key, setup.model, example, setup.tx)
+    now = _now(config, len(setup.devices), setup.steps_per_dispatch)
+    history: list = []
     restored = setup.checkpointer.restore_latest(state)
     if restored is not None:
-        state, _ = restored
-        log.info("resumed from %s at step %d", setup.checkpointer.directory, int(state.step))
-    elif setup.primary:
-        setup.checkpointer.write_run_config({**cfg.flatten(config), DEVICES_USED_KEY: len(setup.devices),
-                                             DISPATCH_USED_KEY: setup.steps_per_dispatch})
+        state, step, record = restored
+        changes = resume_changes(record["run_config"], now, config.checkpoint.allow_changes)
+        history = record["config_history"] + ([{"step": step, "changes": changes}] if changes else [])
+        log.info("resumed from %s at step %d", setup.checkpointer.directory, step)
+        if changes:
+            log.warning("resuming at step %d with accepted changes: %s", step,
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    setup.checkpointer.keep_record({"run_config": now, "config_history": history}, write_files=setup.primary)
     return state, int(state.step)
 
 
@@ -188,6 +243,24 @@ def _make_run(setup: _Setup, start_step: int) -> Run:
     return run
 
 
+def _compile_and_check_memory(run: Run, state: Any) -> None:
+    """Compile the train dispatch ahead of its first call, and refuse it if XLA's memory analysis
+    says it cannot fit beside the (already resident) state. With several processes the first call
+    compiles it (an ahead-of-time executable there rejects the processes' global arrays)."""
+    if jax.process_count() > 1:
+        return
+    started = time.perf_counter()
+    stats = run.dispatch.compile(state)
+    run.compile_seconds = time.perf_counter() - started
+    _check_step_fits(stats, run.devices, run.config)
+
+
+def _check_step_fits(stats: Any, devices: list, config: cfg.Config) -> None:
+    if stats is not None:
+        memory.check_fits("the train step", host_bytes=0.0, device_bytes=memory.compiled_bytes(stats),
+                          devices=devices, config=config)
+
+
 def _log_start(run: Run, num_params: int, device_note: str) -> None:
     task, devices = run.task, run.devices
     log.info(
@@ -200,8 +273,8 @@ def _log_start(run: Run, num_params: int, device_note: str) -> None:
 
 
 def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int, wall_start: float) -> dict[str, Any]:
-    """The loop, then results.json whatever happened; returns results.json's dict."""
-    status, step = "failed", None  # what results.json says if the loop raises something unexpected
+    """The loop, then results.json whatever happened (as far as the disk allows); returns its dict."""
+    status, step, error = "completed", None, None
     try:
         status, state = train_loop(run, state, start_step)
         if jax.process_count() > 1:  # every process must end holding the same parameters
@@ -209,20 +282,30 @@ def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int
 
             multihost_utils.assert_equal(run.dp.to_host(state.params), "processes ended with different parameters")
     except NonFiniteLossError as e:
-        status, step = "diverged", e.step
-        raise
-    except KeyboardInterrupt:
-        status = "aborted"
-        raise
-    finally:
-        run.progress.close()
-        run.profiler.stop()
+        status, step, error = "diverged", e.step, e
+    except KeyboardInterrupt as e:
+        status, error = "aborted", e
+    except Exception as e:  # noqa: BLE001 - recorded in results.json, then raised again
+        status, error = "failed", memory.out_of_memory_error(e, run.config) if memory.is_out_of_memory(e) else e
+    run.progress.close()
+    run.profiler.stop()
+    try:
         run.checkpointer.wait()  # an async save in flight completes whatever happened
-        run.checkpointer.close()
-        results = run.results(status, step or max(start_step, run.final_step), num_params, wall_start)
-        if setup.primary:
+    except CheckpointSaveError as e:
+        status, error = ("failed", e) if error is None else (status, error)
+    results = run.results(status, step or max(start_step, run.final_step), num_params, wall_start,
+                          error=_one_line(error) if error is not None else None)
+    if setup.primary:
+        try:
             write_results(setup.workdir / "results.json", results)
+        except OSError as e:
+            log.error("cannot write %s (%s)", setup.workdir / "results.json", e.strerror or e)
+    try:
         run.writer.close()
+    except OSError as e:
+        log.error("cannot write the TensorBoard events (%s)", e.strerror or e)
+    if error is not None:
+        raise error
     metrics = "".join(f" | {k} {v}" for k, v in results["eval_metrics"].items())
     log.info(
         "%s at step %d | eval loss %.4f (baseline %.4f)%s | %s tokens/s | compile %.1fs | wall %.1fs",
@@ -231,6 +314,11 @@ def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int
         results["compile_seconds"] or 0.0, results["wall_seconds"],
     )
     return results
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
 
 
 def _check_writable(workdir: Path) -> None:

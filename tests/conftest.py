@@ -75,7 +75,15 @@ def saved_state(workdir, step):
     import orbax.checkpoint as ocp
 
     with ocp.CheckpointManager((Path(workdir) / "checkpoints").absolute()) as manager:
-        return manager.restore(step, args=ocp.args.StandardRestore())
+        return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))["state"]
+
+
+def saved_record(workdir, step):
+    """The run record (config, accepted changes) a checkpoint carries, read with Orbax alone."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager((Path(workdir) / "checkpoints").absolute()) as manager:
+        return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
 
 
 def assert_same_tree(a, b):

@@ -51,7 +51,7 @@ def test_adamw_inherits_adam_keys_and_decays():
         ("optimizer.lr=-0.1", "optimizer.lr", "> 0"),
         ("optimizer.name=rmsprop", "optimizer.name", "adam, adamw, sgd"),
         ("optimizer.schedule=step", "optimizer.schedule", "cosine"),
-        ("device.num_devices=0", "device.num_devices", "> 0"),
+        ("device.num_devices=0", "device.num_devices", "1 .. 64"),
         ("device.platform=ipu", "device.platform", "auto, cpu, gpu, tpu"),
         ("device.steps_per_dispatch=9", "device.steps_per_dispatch", "null or 1 .. 8"),
         ("device.steps_per_dispatch=0", "device.steps_per_dispatch", "null or 1 .. 8"),

@@ -66,15 +66,15 @@ def test_a_damaged_or_unwritable_cache_is_measured_again_and_replaced(tmp_path):
 def test_a_resumed_run_keeps_the_device_count_its_run_dir_recorded(tmp_path, caplog):
     if cpu.max_cpu_devices() < 2:
         pytest.skip("one core: device.num_devices=null has nothing to choose")
-    first = train_and_evaluate(tiny_config("device.num_devices=null"), tmp_path)
-    run_config = tmp_path / "checkpoints" / "run_config.json"
-    assert json.loads(run_config.read_text())[DEVICES_USED_KEY] == first["num_devices"]
-    # Pretend the first run trained on the other count: the resumed run must follow the record,
+    measured = train_and_evaluate(tiny_config("device.num_devices=null"), tmp_path / "measured")["num_devices"]
+    # A run dir trained on the other count: resumed with null, it must follow its record,
     # not the (cached) measurement.
-    other = 1 if first["num_devices"] > 1 else 2
-    saved = json.loads(run_config.read_text())
-    run_config.write_text(json.dumps({**saved, DEVICES_USED_KEY: other}))
+    other = 1 if measured > 1 else 2
+    run_dir = tmp_path / "run"
+    train_and_evaluate(tiny_config(f"device.num_devices={other}"), run_dir)
+    assert json.loads((run_dir / "checkpoints" / "run_config.json").read_text())[DEVICES_USED_KEY] == other
     with caplog.at_level("INFO", logger="rnnlab.trainer"):
-        resumed = train_and_evaluate(tiny_config("device.num_devices=null", "steps=9"), tmp_path)
+        resumed = train_and_evaluate(tiny_config("device.num_devices=null", "steps=9",
+                                                 "checkpoint.allow_changes=[steps]"), run_dir)
     assert resumed["step"] == 9 and resumed["num_devices"] == other
     assert f"device.num_devices=null: {other}, as this run dir was trained" in caplog.text

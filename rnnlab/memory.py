@@ -1,0 +1,93 @@
+"""Whether a run fits in memory, asked before it allocates: a step that cannot fit stops with one
+line naming the keys that size it, instead of an allocator abort or a machine that swaps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from rnnlab.config import Config, ConfigError
+
+GiB = 2.0**30
+
+
+class OutOfMemoryError(ConfigError):
+    """The run needs more memory than its devices have free."""
+
+
+def free_bytes(devices: Sequence[jax.Device]) -> float | None:
+    """Memory free to this process's share of `devices`: on CPU the host's available memory (the
+    tighter of /proc/meminfo's MemAvailable and the cgroup's limit, shared by every simulated
+    device); on an accelerator the first device's limit less what is in use. None if unknown."""
+    device = devices[0]
+    if device.platform == "cpu":
+        return _host_available_bytes()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return float(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
+def _host_available_bytes() -> float | None:
+    limits = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                limits.append(float(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for max_file, current_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit, used = Path(max_file).read_text().strip(), Path(current_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" or a huge number: no limit
+            limits.append(float(int(limit) - int(used)))
+        break
+    return min(limits) if limits else None
+
+
+def tree_bytes(tree: Any) -> float:
+    """Bytes of a tree of arrays or ShapeDtypeStructs."""
+    return float(sum(np.prod(x.shape, dtype=np.float64) * np.dtype(x.dtype).itemsize
+                     for x in jax.tree_util.tree_leaves(tree)))
+
+
+def check_fits(what: str, host_bytes: float, device_bytes: float, devices: Sequence[jax.Device],
+               config: Config) -> None:
+    """OutOfMemoryError if `host_bytes` on the host plus `device_bytes` on each of this process's
+    `devices` do not fit in the free memory (on CPU the devices share the host's)."""
+    free = free_bytes(devices)
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    needed = host_bytes + device_bytes * local if devices[0].platform == "cpu" else device_bytes
+    if free is None or needed <= free:
+        return
+    raise OutOfMemoryError(
+        f"{what} would take about {needed / GiB:.3g} GiB, but {free / GiB:.3g} GiB of {devices[0].platform} memory is "
+        f"free (hidden_dim={config.hidden_dim}, num_layers={config.num_layers}, batch_size={config.batch_size}, "
+        f"data.seq_len={config.data.seq_len}); lower one of them"
+    )
+
+
+def compiled_bytes(stats: Any) -> float:
+    """Memory an executable allocates per device beyond its (already resident) arguments: outputs
+    not aliased to donated arguments, plus XLA's temporaries."""
+    return float(stats.temp_size_in_bytes + max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes))
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """An allocation failure reported by XLA (not an I/O error that happens to say RESOURCE_EXHAUSTED)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def out_of_memory_error(error: BaseException, config: Config) -> OutOfMemoryError:
+    reason = str(error).splitlines()[0][:200]
+    return OutOfMemoryError(
+        f"out of memory ({reason}) with hidden_dim={config.hidden_dim}, num_layers={config.num_layers}, "
+        f"batch_size={config.batch_size}, data.seq_len={config.data.seq_len}; lower one of them"
+    )

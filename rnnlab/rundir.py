@@ -1,0 +1,112 @@
+"""What a run dir guarantees across processes and restarts: one writer at a time, and a
+resume that changes how training goes only where the user said so."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rnnlab.config import ConfigError
+
+# Keys that fix the shape or structure of the saved state: no resume can change them.
+STRUCTURAL_KEYS = (
+    "model.cell",
+    "model.hidden_dim",
+    "model.num_layers",
+    "model.scan_layers",
+    "data.task",
+    "optimizer.name",
+)
+# Keys that cannot change a run's parameters: what is logged, evaluated, saved or traced and
+# when, how many steps share a dispatch (the same steps either way), and how processes meet.
+# `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
+FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "device.num_devices", "device.steps_per_dispatch")
+FREE_GROUPS = ("checkpoint.", "profile.", "distributed.")
+DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
+DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
+
+
+def is_free(key: str) -> bool:
+    return key in FREE_KEYS or key.startswith(FREE_GROUPS) or key == DISPATCH_USED_KEY
+
+
+def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Sequence[str]) -> dict[str, list]:
+    """{key: [saved value, new value]} for every trajectory key a resume changes, all of them in
+    `allowed` (`checkpoint.allow_changes`); otherwise a ConfigError listing each change.
+
+    `saved` and `now` are flat configs with DEVICES_USED_KEY resolved. A structural key is refused
+    whatever `allowed` says. Keys missing on either side (a key added or removed by an rnnlab
+    version) compare as None."""
+    for key in STRUCTURAL_KEYS:
+        if key in saved and saved[key] != now.get(key):
+            raise ConfigError(
+                f"key '{key}': this run dir was trained with {saved[key]!r}, now {now.get(key)!r}; "
+                f"use the same value to resume, or a new hydra.run.dir"
+            )
+    changed = {key: [saved.get(key), now.get(key)] for key in sorted(set(saved) | set(now))
+               if not is_free(key) and saved.get(key) != now.get(key)}
+    refused = {key: values for key, values in changed.items() if _allow_name(key) not in allowed}
+    if refused:
+        listed = ", ".join(f"{_allow_name(k)} {a!r} -> {b!r}" for k, (a, b) in refused.items())
+        names = ",".join(sorted({*allowed, *map(_allow_name, refused)}))
+        raise ConfigError(
+            f"key 'checkpoint.allow_changes': resuming changes {listed}; accept with "
+            f"checkpoint.allow_changes=[{names}] (recorded in checkpoints/config_history.json), "
+            f"or use the saved values, or a new hydra.run.dir"
+        )
+    return changed
+
+
+def _allow_name(key: str) -> str:
+    """The name `checkpoint.allow_changes` accepts a change under (the device count by its config key)."""
+    return "device.num_devices" if key == DEVICES_USED_KEY else key
+
+
+class RunDirBusy(ConfigError):
+    """Another live process holds the run dir's lock."""
+
+
+class RunDirLock:
+    """An exclusive `flock` on `<run dir>/.rnnlab.lock.<process index>`, held for the run's life.
+
+    The OS releases it when the process ends, SIGKILL included, so it never goes stale. The
+    processes of one multi-process run each take their own index; a second run on the same dir
+    collides on every index. The file names the holder (pid and host) for the message."""
+
+    def __init__(self, workdir: Path, process_index: int = 0):
+        self.path = Path(workdir) / f".rnnlab.lock.{process_index}"
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunDirLock":
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
+            raise RunDirBusy(
+                f"run dir {self.path.parent} is in use by {who} (lock {self.path.name}); wait for that run "
+                f"to end, or choose another hydra.run.dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the flock; the file stays (deleting it would race a new holder)
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
