@@ -22,12 +22,15 @@ picks with device.num_devices=null (column `dev`); `compile s` is the bare step'
 size. `--variant OVERRIDES` times rnnlab with other settings (e.g.
 `model.recurrence=autodiff`, on the per-core device count) side by side; `--xla-variant
 OPTIONS` does the same for XLA debug options (XLA_FLAGS' names, without the dashes), passed to
-that one compilation as `compiler_options`, so that flags are compared in one process. The same model
-(input Linear(I, H) -> L recurrent layers -> Linear(H, O) at every step, MSE on the last
-step) and the same forward + backward + Adam update are built in
-`torch.nn.RNN`/`LSTM`/`GRU` (install the optional extra: `pip install -e ".[bench]"`;
+that one compilation as `compiler_options`, so that flags are compared in one process. The same function
+(L recurrent layers on the I-wide input, then Linear(H, O) at every step, MSE on the last
+step) and the same forward + backward + Adam update are built, in its fastest formulation,
+in `torch.nn.RNN`/`LSTM`/`GRU(I, H, L)` (install the optional extra: `pip install -e ".[bench]"`;
 without torch that column is skipped, and the script says so) and in
-`flax.linen.RNN` with Flax's built-in `SimpleCell`/`LSTMCell`/`GRUCell`. Each is
+`flax.linen.RNN` with Flax's built-in `SimpleCell`/`LSTMCell`/`GRUCell` on the raw input.
+`limit ms` is the physical limit: the step's model FLOPs at the measured peak.
+`--no-onednn` adds the fair torch column with `torch.backends.mkldnn` off; `--as-written` adds a secondary torch column on the model as rnnlab writes it, `Linear(I, H)`
+first (rnnlab folds that product into its first layer; torch computes it). Each is
 warmed up, then the three are timed in turn within every repeat (so a change in machine
 load hits them alike) and the median per-step time is kept. Ratios are the other
 framework's step time over rnnlab's: above 1 means rnnlab is faster. GFLOP/s and MFU
@@ -191,11 +194,16 @@ class LoopDispatch:
 
 
 class FlaxStep:
-    """flax.linen.RNN with the built-in cell (input matmul inside the scanned cell), same model and Adam."""
+    """flax.linen.RNN with Flax's built-in cells, MSE on the last step and Adam, jitted with donation.
+
+    `fair=True` (the main column): the fastest formulation of the function rnnlab trains, the
+    first recurrent layer reading the raw inputs (Flax's cells take any input width); False: the
+    model as rnnlab writes it, `Dense(I, H)` first, whose product rnnlab folds into its first
+    layer's input weights."""
 
     CELLS = {"rnn": "SimpleCell", "lstm": "LSTMCell", "gru": "GRUCell"}
 
-    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch):
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch, fair: bool = True):
         import flax.linen as nn
         import optax
 
@@ -204,7 +212,8 @@ class FlaxStep:
         class Model(nn.Module):
             @nn.compact
             def __call__(self, x):
-                x = nn.Dense(h)(x)
+                if not fair:
+                    x = nn.Dense(h)(x)
                 for _ in range(layers):
                     x = nn.RNN(cell_cls(h))(x)
                 return nn.Dense(1)(x)
@@ -233,29 +242,41 @@ class FlaxStep:
 
 
 class TorchStep:
-    """torch.nn.RNN/LSTM/GRU with the same input and readout Linear layers, MSE and Adam, on the
-    GPU (cuDNN's RNN kernels) when JAX runs on one and torch sees CUDA, else on the CPU."""
+    """torch.nn.RNN/LSTM/GRU, a readout Linear, MSE and Adam, on the GPU (cuDNN's RNN kernels)
+    when JAX runs on one and torch sees CUDA, else on the CPU (oneDNN's fused RNN primitives,
+    left on as torch ships).
 
-    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch):
+    `fair=True` (the main column): `nn.LSTM(I, H, L)` directly on the raw inputs, the fastest
+    formulation of the function rnnlab trains; False: as rnnlab writes the model, `Linear(I, H)`
+    then `nn.LSTM(H, H, L)`, an extra matmul that rnnlab folds away and torch does not."""
+
+    def __init__(self, cell: str, h: int, b: int, t: int, layers: int, batch: tasks.Batch, fair: bool = True,
+                 onednn: bool = True):
         import torch
 
+        self.onednn = onednn  # False: torch.backends.mkldnn off, torch's own (unfused) CPU RNN kernels
         rnn_cls = getattr(torch.nn, get_cell(cell).torch_class)
         torch.manual_seed(0)
         self.torch = torch
         self.cuda = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
         device = "cuda" if self.cuda else "cpu"
-        self.inp = torch.nn.Linear(batch.inputs.shape[-1], h, device=device)
-        self.rnn = rnn_cls(h, h, num_layers=layers, batch_first=True, device=device)
+        width = batch.inputs.shape[-1]
+        self.inp = None if fair else torch.nn.Linear(width, h, device=device)
+        self.rnn = rnn_cls(width if fair else h, h, num_layers=layers, batch_first=True, device=device)
         self.out = torch.nn.Linear(h, 1, device=device)
-        params = [*self.inp.parameters(), *self.rnn.parameters(), *self.out.parameters()]
+        params = [*self.rnn.parameters(), *self.out.parameters(), *(self.inp.parameters() if self.inp else ())]
         self.opt = torch.optim.Adam(params, lr=LR)
         self.x = torch.from_numpy(np.asarray(batch.inputs).copy()).to(device)
         self.y = torch.from_numpy(np.asarray(batch.targets).copy()).to(device)
 
     def __call__(self, n: int) -> None:
+        with self.torch.backends.mkldnn.flags(enabled=self.onednn):
+            self._steps(n)
+
+    def _steps(self, n: int) -> None:
         for _ in range(n):
             self.opt.zero_grad(set_to_none=True)
-            hs, _ = self.rnn(self.inp(self.x))
+            hs, _ = self.rnn(self.x if self.inp is None else self.inp(self.x))
             loss = ((self.out(hs)[:, -1, 0] - self.y) ** 2).mean()
             loss.backward()
             self.opt.step()
@@ -293,6 +314,10 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         runners[f"xla: {options}"] = LoopDispatch(config, main_devices, compiler_options=parse_xla_options(options))
     if torch_ok and not args.no_torch:
         runners["torch"] = TorchStep(cell, h, b, t, layers, bare.global_batch())
+        if args.as_written:
+            runners["torch as written"] = TorchStep(cell, h, b, t, layers, bare.global_batch(), fair=False)
+        if args.no_onednn:
+            runners["torch no oneDNN"] = TorchStep(cell, h, b, t, layers, bare.global_batch(), onednn=False)
     if not args.no_flax:
         runners["flax"] = FlaxStep(cell, h, b, t, layers, bare.global_batch())
     steps = {}
@@ -327,6 +352,10 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
         "vs_torch": median["torch"] / median["rnnlab"] if "torch" in median else None,
         "bare_vs_torch": median["torch"] / median["bare"] if "torch" in median else None,
         "vs_flax": median["flax"] / median["rnnlab"] if "flax" in median else None,
+        "torch_as_written_ms": 1e3 * median["torch as written"] if "torch as written" in median else None,
+        "vs_torch_as_written": median["torch as written"] / median["rnnlab"] if "torch as written" in median else None,
+        "torch_no_onednn_ms": 1e3 * median["torch no oneDNN"] if "torch no oneDNN" in median else None,
+        "matmul_limit_ms": 1e3 * model_flops / (peak * (1 if devices[0].platform == "cpu" else len(devices))) if peak else None,
         "devices": main_devices,
         "step_ms_by_devices": {n: 1e3 * by_devices[n] if n in by_devices else None for n in args.devices},
         "step_ms_by_variant": {v: 1e3 * median[v] for v in variant_names(args)},
@@ -460,6 +489,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="XLA option sets timed beside the main column, each a space-separated list of "
                              "name=value (XLA_FLAGS names), e.g. --xla-variant xla_cpu_prefer_vector_width=256")
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--no-onednn", action="store_true",
+                        help="also time the fair torch column with torch.backends.mkldnn off (CPU), a secondary column")
+    parser.add_argument("--as-written", action="store_true",
+                        help="also time torch on the model as rnnlab writes it (Linear(I, H) first), a secondary column")
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--loop", type=int, metavar="STEPS",
                         help="instead: tokens/s of the whole training loop (STEPS steps) against the bare step")
@@ -510,6 +543,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{'MFU':>6} {'compile s':>9} {'torch ms':>9} {'vs torch':>8} {'flax ms':>9} {'vs flax':>8} "
               f"{'1/disp ms':>9} {'vs torch':>8} {'load':>5}"
               + "".join(f" {f'{n} dev ms':>9} {'main is':>8}" for n in args.devices)
+              + (f" {'torch as written ms':>19} {'vs it':>6}" if args.as_written else "")
+              + (f" {'no oneDNN ms':>12}" if args.no_onednn else "") + f" {'limit ms':>9}"
               + "".join(f" | {v}: ms, rnnlab (per-core count) is" for v in variant_names(args)))
     print(header)
     # Every config composed (and validated) before anything is timed.
@@ -526,6 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
               f"{fmt(r['flax_step_ms'], '9.2f')} {fmt(r['vs_flax'], '7.2f')}x "
               f"{r['bare_step_ms']:9.2f} {fmt(r['bare_vs_torch'], '7.2f')}x {r['load_end']:5.2f}"
               + "".join(f" {fmt(ms, '9.2f')} {fmt(ms and ms / r['step_ms'], '7.2f')}x" for ms in r["step_ms_by_devices"].values())
+              + (f" {fmt(r['torch_as_written_ms'], '19.2f')} {fmt(r['vs_torch_as_written'], '5.2f')}x" if args.as_written else "")
+              + (f" {fmt(r['torch_no_onednn_ms'], '12.2f')}" if args.no_onednn else "") + f" {fmt(r['matmul_limit_ms'], '9.2f')}"
               + "".join(f" | {ms:9.2f} {ms / r['variant_baseline_ms']:5.2f}x" for ms in r["step_ms_by_variant"].values()),
               flush=True)
     print(f"wrote {args.json}")
