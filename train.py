@@ -124,6 +124,7 @@ def sweep_job(task):
 @sweep_job
 def main(cfg: DictConfig) -> float:
     quiet_background_failures()
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'" on every start
     try:
         config = from_omegaconf(cfg)
         from rnnlab.trainer import NonFiniteLossError, train_and_evaluate  # JAX loads once the config is good

@@ -306,7 +306,7 @@ def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int
         log.error("cannot write the TensorBoard events (%s)", e.strerror or e)
     if error is not None:
         raise error
-    metrics = "".join(f" | {k} {v}" for k, v in results["eval_metrics"].items())
+    metrics = "".join(f" | {k} {v:.4g}" for k, v in results["eval_metrics"].items() if v is not None)
     log.info(
         "%s at step %d | eval loss %.4f (baseline %.4f)%s | %s tokens/s | compile %.1fs | wall %.1fs",
         status, results["step"], results["eval_loss"] or float("nan"), run.task.baseline_loss, metrics,
