@@ -31,6 +31,11 @@ from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
 
+# Importing orbax (absl) calls logging.basicConfig(); Hydra configures logging itself, and with both
+# every line of `--info` and of Hydra's own messages printed twice.
+for _handler in list(logging.root.handlers):
+    logging.root.removeHandler(_handler)
+
 EXIT_BUG = 1
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
