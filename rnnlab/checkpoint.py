@@ -71,8 +71,7 @@ class Checkpointer:
             try:
                 record = self._manager.restore(step, args=ocp.args.Composite(**{RECORD: ocp.args.JsonRestore()}))[RECORD]
             except Exception as e:  # noqa: BLE001 - an unreadable record: try an older checkpoint's
-                log.warning("checkpoint %s: its config cannot be read (%s)", self.directory / str(step),
-                            str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                log.warning("checkpoint %s: its config cannot be read (%s)", self.directory / str(step), _first_line(e))
                 continue
             if _is_record(record):
                 return step, record
@@ -109,7 +108,7 @@ class Checkpointer:
                 if not _is_record(restored[RECORD]):
                     raise ValueError(f"its config record is not one: {str(restored[RECORD])[:100]}")
             except Exception as e:  # noqa: BLE001 - any failure to read this step means: try an older one
-                log.warning("checkpoint %s cannot be restored (%s)", path, str(e).splitlines()[0][:300])
+                log.warning("checkpoint %s cannot be restored (%s)", path, _first_line(e))
                 failures.append(path)
                 continue
             for bad in failures:
@@ -154,8 +153,7 @@ class Checkpointer:
         self._failed = True
         text = str(error).strip()
         os_error = re.search(r"([A-Za-z][A-Za-z ,-]+) \[os_error_code='(\d+)'\]", text)  # tensorstore's wording
-        reason = (f"{os_error.group(1).strip()}, errno {os_error.group(2)}" if os_error
-                  else text.splitlines()[0][:200] if text else type(error).__name__)
+        reason = f"{os_error.group(1).strip()}, errno {os_error.group(2)}" if os_error else _first_line(error)
         return CheckpointSaveError(f"cannot save a checkpoint in {self.directory} ({reason}); the newest "
                                    f"saved one is step {self.latest_step()}")
 
@@ -168,6 +166,12 @@ class Checkpointer:
             self._manager.close()
         except Exception as e:  # noqa: BLE001
             log.debug("closing the checkpoint manager: %s", e)
+
+
+def _first_line(error: Exception) -> str:
+    """An Orbax or tensorstore error's first line (they run to pages), or its type if it has no text."""
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else type(error).__name__
 
 
 def _is_record(value: Any) -> bool:

@@ -24,14 +24,15 @@ STRUCTURAL_KEYS = (
 # Keys that cannot change a run's parameters: what is logged, evaluated, saved or traced and
 # when, how many steps share a dispatch (the same steps either way), and how processes meet.
 # `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
-FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "device.num_devices", "device.steps_per_dispatch")
-FREE_GROUPS = ("checkpoint.", "profile.", "distributed.")
 DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
+FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "device.num_devices", "device.steps_per_dispatch",
+             DISPATCH_USED_KEY)
+FREE_GROUPS = ("checkpoint.", "profile.", "distributed.")
 
 
 def is_free(key: str) -> bool:
-    return key in FREE_KEYS or key.startswith(FREE_GROUPS) or key == DISPATCH_USED_KEY
+    return key in FREE_KEYS or key.startswith(FREE_GROUPS)
 
 
 def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Sequence[str]) -> dict[str, list]:

@@ -51,7 +51,6 @@ class _Setup:
     steps_per_dispatch: int
     primary: bool
     device_note: str = ""  # how the device count was chosen, for the start line
-    saved: tuple[int, dict] | None = None  # (step, run record) of the checkpoint a resume starts from
 
 
 def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any]:
@@ -118,8 +117,7 @@ def _set_up(config: cfg.Config, workdir: Path, devices: list, checkpointer: Chec
     tx, schedule = make_optimizer(config.optimizer, config.steps)
     setup = _Setup(config, workdir, task, build_model(config.model, task.output_dim, devices[0].platform), tx,
                    schedule, jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM), checkpointer, devices,
-                   config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform), primary,
-                   saved=saved)
+                   config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform), primary)
     _check_state_fits(setup)
     if cpu.device_count_is_open(config.device.num_devices, devices):
         recorded = saved[1]["run_config"].get(DEVICES_USED_KEY) if saved else None
