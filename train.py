@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
@@ -43,6 +44,22 @@ EXIT_CANNOT_WRITE = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_ABORTED = 130
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
+
+
+def config_groups_help(width: int = 100) -> str:
+    """`--help`'s config groups (conf/hydra/help/rnnlab.yaml), each with its options as Hydra finds
+    them: Hydra's own $APP_CONFIG_GROUPS puts a group on one line, which the presets outgrow."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    loader = GlobalHydra.instance().config_loader()
+    return "\n".join(
+        textwrap.fill(", ".join(sorted(loader.get_group_options(group, ObjectType.CONFIG))), width,
+                      initial_indent=f"  {group + ':':<16}  ", subsequent_indent=" " * 20, break_on_hyphens=False)
+        for group in sorted(loader.list_groups("")) if group != "hydra")
+
+
+OmegaConf.register_new_resolver("rnnlab_config_groups", config_groups_help, replace=True)
 
 
 def fail(message: str, code: int) -> None:

@@ -10,9 +10,13 @@ TensorBoard's own EventAccumulator), and
     the task's baseline loss, tokens/s, MFU and wall time; failed jobs (and jobs with
     no results.json: still running, or killed) are marked;
   - writes summary.md and summary.csv (every override, every result) to --out;
-  - writes PNG plots to --out when matplotlib is installed (pip install -e ".[plots]"):
-    loss_curves.png (train and eval loss of every job against step) and, for each swept
-    parameter P, sweep_P.png (final eval metric and tokens/s against P).
+  - when jobs report `eval_by_len` (data.eval_seq_lens, the experiment=zoo_<task> presets), prints
+    and writes zoo_table.md: a row per cell (model.cell), the headline eval metric at each eval length,
+    parameters and tokens/s;
+  - writes PNG plots to --out when matplotlib is installed (pip install -e ".[plots]"), drawn by
+    summary_plots.py: loss_curves.png (train and eval loss of every job against step), for each
+    swept parameter P sweep_P.png (final eval metric and tokens/s against P), and with
+    `eval_by_len` zoo_<metric>_by_len.png (the metric against eval length, a line per cell).
 --out defaults to the folder given. Exit code 0, or 1 if no job was found.
 """
 
@@ -29,6 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+HERE = str(Path(__file__).resolve().parent)
+if HERE not in sys.path:  # summary_plots.py beside this file, also when it is loaded by path
+    sys.path.insert(0, HERE)
 
 OK = "completed"
 SKIP_DIRS = {".hydra", "tensorboard", "checkpoints"}
@@ -68,6 +76,15 @@ def read_results(job: Path) -> dict[str, Any]:
         return {"status": "unreadable"}
 
 
+def read_config(job: Path) -> dict[str, Any]:
+    """The job's composed config (.hydra/config.yaml, interpolations unresolved); {} if there is none."""
+    path = job / ".hydra" / "config.yaml"
+    try:
+        return yaml.safe_load(path.read_text()) or {} if path.exists() else {}
+    except yaml.YAMLError:
+        return {}
+
+
 def read_curves(job: Path) -> dict[str, list[tuple[int, float]]]:
     """{'train/loss': [(step, value), ...], 'eval/loss': ...} from the job's event files."""
     logdir = job / "tensorboard"
@@ -101,11 +118,12 @@ def natural(text: str) -> tuple:
 
 
 def fmt(value: Any, spec: str = ".4g") -> str:
+    """A table cell: None as n/a, floats by `spec`; "," groups thousands of any number (tokens/s, params)."""
     if value is None:
         return "n/a"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if spec == "," else format(value, spec)
-    return str(value)
+    if spec == "," and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"{value:,.0f}"
+    return format(value, spec) if isinstance(value, float) else str(value)
 
 
 class Sweep:
@@ -118,15 +136,55 @@ class Sweep:
         values = {k: {o.get(k) for o in self.overrides} for k in keys}
         self.swept = [k for k in keys if len(values[k]) > 1]  # keys whose value differs between jobs
         self.fixed = {k: next(iter(values[k])) for k in keys if len(values[k]) == 1 and None not in values[k]}
+        self.configs = [read_config(j) for j in self.jobs]
         self.curves: list[dict] | None = None
+        # Jobs of more than one sweep (a folder of sweeps, or outputs/): labels then name the sweep dir.
+        self.multi = len({self.sweep_of(i) for i in range(len(self.jobs))}) > 1
 
     def name(self, i: int) -> str:
         return str(self.jobs[i].relative_to(self.root)) if self.jobs[i] != self.root else self.root.name
 
+    def sweep_of(self, i: int) -> str:
+        """The job's sweep dir relative to the root ('.' for the root itself)."""
+        return str(self.jobs[i].parent.relative_to(self.root)) if self.jobs[i] != self.root else "."
+
+    def title(self) -> str:
+        """The root for a figure title: its last two parts (multirun/DATE/TIME -> DATE/TIME)."""
+        return "/".join(self.root.parts[-2:]) or self.root.resolve().name
+
+    def completed(self, i: int) -> bool:
+        return self.results[i].get("status") == OK
+
+    @staticmethod
+    def describe(pairs: Any) -> str:
+        """'hidden_dim=64 lr=0.001' from (key, value) pairs: short keys and values for legends."""
+        return " ".join(f"{k.split('.')[-1]}={short(v)}" for k, v in pairs)
+
     def label(self, i: int) -> str:
-        """A short legend label: the swept overrides, else the job dir's name."""
-        parts = [f"{k.split('.')[-1]}={short(self.overrides[i][k])}" for k in self.swept if k in self.overrides[i]]
-        return " ".join(parts) or self.name(i)
+        """A short legend label: the swept overrides (with the sweep dir when there are several
+        sweeps), else the job dir's name, which already names its sweep dir."""
+        parts = self.describe((k, self.overrides[i][k]) for k in self.swept if k in self.overrides[i])
+        if not parts:
+            return self.name(i)
+        return f"{self.sweep_of(i)}: {parts}" if self.multi else parts
+
+    def param_axis(self, param: str, jobs: list[int]) -> tuple[bool, dict[str, float], list[tuple[float, str]]]:
+        """How `param` is drawn: (numeric, x of each value, ticks as (x, label)). Numbers sit at
+        their value with a tick at each swept value; anything else (model=rnn,lstm) is a category
+        at 0, 1, ..., in natural order."""
+        values = sorted({self.overrides[i][param] for i in jobs}, key=natural)
+        numeric = bool(values) and all(as_number(v) is not None for v in values)
+        x_of = {v: as_number(v) if numeric else float(n) for n, v in enumerate(values)}
+        ticks = {x_of[v]: short(v) for v in reversed(values)}  # 1e-3 and 0.001: one tick
+        return numeric, x_of, sorted(ticks.items())
+
+    def headline(self) -> str:
+        """The metric the figures compare: the task's first metric, else the eval loss."""
+        return (self.metric_names() or ["loss"])[0]
+
+    def final(self, i: int, metric: str) -> float | None:
+        results = self.results[i]
+        return results.get("eval_loss") if metric == "loss" else (results.get("eval_metrics") or {}).get(metric)
 
     def metric_names(self) -> list[str]:
         """The eval metrics the jobs' tasks report (results.json's `eval_metrics`), in order."""
@@ -145,9 +203,11 @@ class Sweep:
             if status != OK:
                 status = f"**{status.upper()}**" + (f": {r['error']}" if r.get("error") else "")
             loss = fmt(r.get("eval_loss")) + (" (best)" if i == best else "")
-            number = re.match(r"(\d+)_", self.jobs[i].name)  # <num>_<overrides>: the overrides are columns
+            job, number = self.name(i), re.match(r"(\d+)_", self.jobs[i].name)
+            if number and self.swept:  # <num>_<overrides>: the overrides are columns
+                job = f"{self.sweep_of(i)}/{number.group(1)}" if self.multi else number.group(1)
             rows.append({
-                "job": number.group(1) if number and self.swept else self.name(i),
+                "job": job,
                 **{k: short(self.overrides[i].get(k, "")) for k in self.swept},
                 "status": status, "eval loss": loss,
                 **{f"eval {m}": fmt((r.get("eval_metrics") or {}).get(m)) for m in self.metric_names()},
@@ -190,86 +250,55 @@ class Sweep:
         return self.curves
 
 
-def plot(sweep: Sweep, out: Path) -> list[Path]:
-    """loss_curves.png and one sweep_<param>.png per swept parameter; returns the files written."""
-    import matplotlib
+class Zoo:
+    """The cells of a sweep compared at each eval length: the jobs whose results.json has
+    `eval_by_len` ({"<len>": {"loss": x, "<metric>": y}}), one row each."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def __init__(self, sweep: Sweep):
+        self.jobs = [i for i, r in enumerate(sweep.results) if r.get("eval_by_len")]
+        by_len = [{int(k): v or {} for k, v in sweep.results[i]["eval_by_len"].items()} for i in self.jobs]
+        self.lengths = sorted({n for entry in by_len for n in entry})
+        named = [sweep.results[i].get("eval_metric_name") for i in self.jobs]
+        seen = [k for entry in by_len for v in entry.values() for k in v]
+        self.metric = next((m for m in named if m in seen), next((k for k in seen if k != "loss"), "loss"))
+        self.values = [{n: v.get(self.metric) for n, v in entry.items()} for entry in by_len]
+        self.num_params = [sweep.results[i].get("num_params") for i in self.jobs]
+        self.tokens_per_sec = [sweep.results[i].get("tokens_per_sec") for i in self.jobs]
+        self.task = next((sweep.results[i]["task"] for i in self.jobs if sweep.results[i].get("task")), None)
+        seq_lens = {(sweep.configs[i].get("data") or {}).get("seq_len") for i in self.jobs}
+        seq_len = seq_lens.pop() if len(seq_lens) == 1 else None
+        self.seq_len = seq_len if isinstance(seq_len, int) else None  # the training length, if the jobs share it
+        self.labels = self._labels(sweep)
+        self.root = sweep.root
+        self.left_out = [f"{sweep.name(i)} ({r.get('status', '?')})" for i, r in enumerate(sweep.results)
+                         if i not in self.jobs]  # failed or still running: said below the table, not dropped
 
-    written = []
-    curves = sweep.read_curves()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    colors = plt.cm.viridis([i / max(len(sweep.jobs) - 1, 1) for i in range(len(sweep.jobs))])
-    for i, job_curves in enumerate(curves):
-        failed = sweep.results[i].get("status") != OK
-        for ax, tag in zip(axes, ("train/loss", "eval/loss")):
-            points = job_curves.get(tag)
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, color=colors[i], linestyle=":" if failed else "-",
-                        marker="o" if tag == "eval/loss" else None, markersize=3,
-                        label=sweep.label(i) + (" (failed)" if failed else ""))
-    baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
-    for ax, tag in zip(axes, ("train loss", "eval loss")):
-        for b in baselines:
-            ax.axhline(b, color="grey", linestyle="--", linewidth=1)
-        ax.set(xlabel="step", title=tag, yscale="log")
-        ax.grid(True, alpha=0.3)
-    if baselines:
-        axes[0].text(0.01, 0.02, "dashed: trivial baseline", transform=axes[0].transAxes, color="grey", fontsize=8)
-    axes[0].set_ylabel("loss")
-    axes[1].legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"{sweep.root}: {len(sweep.jobs)} jobs")
-    fig.tight_layout()
-    written.append(out / "loss_curves.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    def _labels(self, sweep: Sweep) -> list[str]:
+        """The job's cell (model.cell), then its other swept overrides and, with several sweeps,
+        its sweep dir; the job dir where that still leaves two rows alike."""
+        others = [k for k in sweep.swept if k not in ("model", "model.cell")]
+        labels = []
+        for i in self.jobs:
+            cell = (sweep.configs[i].get("model") or {}).get("cell") or sweep.overrides[i].get("model")
+            rest = sweep.describe((k, sweep.overrides[i][k]) for k in others if k in sweep.overrides[i])
+            label = " ".join(str(part) for part in (cell, rest) if part) or sweep.name(i)
+            labels.append(f"{sweep.sweep_of(i)}: {label}" if sweep.multi else label)
+        return [label if labels.count(label) == 1 else f"{label} ({sweep.name(i)})"
+                for label, i in zip(labels, self.jobs)]
 
-    for param in sweep.swept:
-        written.append(plot_param(sweep, param, out, plt))
-    return written
-
-
-def plot_param(sweep: Sweep, param: str, out: Path, plt: Any) -> Path:
-    """Final eval metric and tokens/s against `param`, one line per combination of the other swept params."""
-    done = [i for i, r in enumerate(sweep.results) if r.get("status") == OK and param in sweep.overrides[i]]
-    raw = [sweep.overrides[i][param] for i in done]
-    numeric = all(as_number(v) is not None for v in raw)
-    categories = sorted(set(raw), key=natural)
-    x_of = (lambda v: as_number(v)) if numeric else (lambda v: categories.index(v))  # noqa: E731
-    others = [k for k in sweep.swept if k != param]
-    groups: dict[str, list[int]] = {}
-    for i in done:
-        groups.setdefault(tuple(sweep.overrides[i].get(k, "") for k in others), []).append(i)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    headline = (sweep.metric_names() or ["loss"])[0]  # the task's first metric, else the eval loss
-    fields = ((lambda r: (r.get("eval_metrics") or {}).get(headline, r.get("eval_loss") if headline == "loss" else None),
-               f"final eval {headline}"), (lambda r: r.get("tokens_per_sec"), "tokens/s"))
-    for ax, (field, title) in zip(axes, fields):
-        for key, members in sorted(groups.items(), key=lambda item: [natural(v) for v in item[0]]):
-            pts = sorted((x_of(sweep.overrides[i][param]), field(sweep.results[i])) for i in members)
-            pts = [(x, y) for x, y in pts if y is not None]
-            label = " ".join(f"{k.split('.')[-1]}={short(v)}" for k, v in zip(others, key))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label or None)
-        positive = numeric and raw and min(as_number(v) for v in raw) > 0
-        if positive and max(as_number(v) for v in raw) / min(as_number(v) for v in raw) >= 10:
-            ax.set_xscale("log")
-        if not numeric:
-            ax.set_xticks(range(len(categories)), categories)
-        ax.set(xlabel=param, title=title)
-        ax.grid(True, alpha=0.3)
-        if len(groups) > 1:
-            ax.legend(fontsize=7)
-    baselines = {r.get("baseline_loss") for r in sweep.results if r.get("baseline_loss")}
-    if headline in ("mse", "loss") and len(baselines) == 1:  # a metric in the loss's units
-        axes[0].axhline(baselines.pop(), color="grey", linestyle="--", linewidth=1, label="baseline")
-    fig.tight_layout()
-    path = out / f"sweep_{re.sub(r'[^A-Za-z0-9_.-]', '_', param)}.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    def markdown(self) -> str:
+        trained = f", trained at seq_len {self.seq_len}" if self.seq_len else ""
+        head = ["cell", *(f"{self.metric}@{n}" + (" (train)" if n == self.seq_len else "") for n in self.lengths),
+                "params", "tokens/s"]
+        lines = [f"Zoo{f' ({self.task})' if self.task else ''}: eval {self.metric} by eval length, "
+                 f"{len(self.jobs)} job(s) under {self.root}{trained}", "",
+                 "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        for label, values, params, tokens in zip(self.labels, self.values, self.num_params, self.tokens_per_sec):
+            cells = [label, *(fmt(values.get(n)) for n in self.lengths), fmt(params, ","), fmt(tokens, ",")]
+            lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+        if self.left_out:
+            lines += ["", f"not in the table (no eval_by_len): {', '.join(self.left_out)}"]
+        return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,13 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     (out / "summary.md").write_text(table + "\n")
     (out / "summary.csv").write_text(table_csv)
     print(table_csv if args.csv else table)
+    zoo = Zoo(sweep)
+    if zoo.jobs:
+        zoo_table = zoo.markdown()
+        (out / "zoo_table.md").write_text(zoo_table + "\n")
+        if not args.csv:
+            print("\n" + zoo_table)
     optuna = args.root / "optimization_results.yaml"
     if optuna.exists() and not args.csv:
         best = yaml.safe_load(optuna.read_text())
         print(f"\nOptuna best: {best.get('best_value')} with {best.get('best_params')}")
     if not args.no_plots:
         try:
-            written = plot(sweep, out)
+            from summary_plots import plot
+
+            written = plot(sweep, zoo, out)
         except ImportError:
             print('summarize: matplotlib is not installed (pip install -e ".[plots]"): tables only', file=sys.stderr)
         else:
