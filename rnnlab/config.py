@@ -1,7 +1,7 @@
 """Typed, validated configuration: the one library module that touches OmegaConf.
 
 `from_omegaconf` turns Hydra's composed `DictConfig` into frozen dataclasses and
-checks every value before anything is compiled. Every problem is a `ConfigError`
+checks every value (`rnnlab.checks`) before anything is compiled. Every problem is a `ConfigError`
 whose one-line message names the key, the value and what is allowed.
 """
 
@@ -18,6 +18,7 @@ from rnnlab import cells, tasks
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
 RECURRENCES = ("autodiff", "custom_vjp")
+BLOCKS = ("plain", "residual")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
@@ -51,12 +52,27 @@ class ModelConfig:
     dtype: str
     unroll: Optional[int]  # None: per platform, resolved by rnnlab.models.build_model
     dropout: float
+    block: str  # plain: the layers as they are | residual: pre-norm residual blocks with a gated MLP
+    time_scan: str  # sequential | associative (cells linear in their state)
+    # The chosen cell's own keys (its dataclass fields beyond `Cell`'s, e.g. lru's r_min), as (name, value)
+    # pairs: they sit beside the others under `model:` and are filled from the cell's defaults.
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def make_cell(self) -> cells.Cell:
+        """The configured cell (a frozen, hashable `rnnlab.cells.Cell`)."""
+        return cells.get_cell(self.cell)(self.hidden_dim, self.init, self.activation, self.forget_bias,
+                                         **dict(self.options))
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     task: str
     seq_len: int
+    min_seq_len: Optional[int]  # None: every training example has seq_len steps; else lengths in [min_seq_len, seq_len]
+    eval_seq_lens: tuple[int, ...]  # further lengths evaluated at every eval (eval/<metric>@<len>, eval_by_len)
+    # The chosen task's own keys (its dataclass fields beyond `seq_len`, e.g. vocab_size), as (name, value)
+    # pairs: they sit beside the others under `data:` and are filled from the task's defaults.
+    options: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +162,11 @@ def from_dict(values: Mapping[str, Any]) -> Config:
     """Plain nested dict -> validated `Config` (the test-friendly twin of `from_omegaconf`)."""
     values = {k: v for k, v in values.items() if k != "hydra"}
     import_extensions(values.get("imports") or ())
+    if isinstance(values.get("data"), Mapping):  # keys an extension's data file may leave out
+        values["data"] = {**tasks.OPTIONAL_DATA_KEYS, **values["data"]}
     config = _build(Config, values, prefix="")
+    from rnnlab.checks import validate  # it reads this module's dataclasses
+
     validate(config)
     return config
 
@@ -179,7 +199,11 @@ def replace(config: Config, **overrides: Any) -> Config:
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    """The nested dict `from_dict` reads back: a group's `options` sit beside its other keys."""
+    values = dataclasses.asdict(config)
+    values["model"].update(dict(values["model"].pop("options")))
+    values["data"].update(dict(values["data"].pop("options")))
+    return values
 
 
 def flatten(config: Config) -> dict[str, Any]:
@@ -234,11 +258,15 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"key '{where}': expected a group of keys, got {values!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(values) - set(names))
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+    options = _option_fields(cls, values)
+    unknown = sorted(set(values) - set(names) - set(options))
     if unknown:
-        raise ConfigError(f"unknown key '{prefix}{unknown[0]}' (allowed in {where}: {', '.join(names)})")
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}' (allowed in {where}: {', '.join([*names, *options])})")
     kwargs = {}
+    if options:
+        kwargs["options"] = tuple((name, _coerce(values[name], tp, prefix + name) if name in values else default)
+                                  for name, (tp, default) in options.items())
     for name in names:
         key = prefix + name
         if name not in values:
@@ -251,100 +279,20 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+def _option_fields(cls: type, values: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The keys a group takes beyond its dataclass's own: for `model`, the chosen cell's dataclass
+    fields beyond `Cell`'s; for `data`, the chosen task's beyond `seq_len` -> {name: (type, default)}."""
+    if cls is DataConfig and "task" in values:  # an unknown task is named before the keys it would take
+        check_choice("data.task", values["task"], tasks.task_names())
+        return tasks.option_fields(tasks.get_task(values["task"]))
+    if cls is not ModelConfig or values.get("cell") not in cells.CELLS:
+        return {}
+    cell = cells.get_cell(values["cell"])
+    base = {f.name for f in dataclasses.fields(cells.Cell)}
+    hints = typing.get_type_hints(cell)
+    return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cell) if f.name not in base}
+
+
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"key '{key}': got {value!r}, allowed: {', '.join(allowed)}")
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"key '{key}': got {value!r}, must be > 0")
-
-
-def _non_negative(key: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(f"key '{key}': got {value!r}, must be >= 0")
-
-
-def validate(c: Config) -> None:
-    """Range and choice checks; raises ConfigError on the first problem."""
-    for key in ("steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches"):
-        _positive(key, getattr(c, key))
-    if not 0 <= c.seed < SEED_LIMIT:
-        raise ConfigError(f"key 'seed': got {c.seed}, allowed: 0 .. {SEED_LIMIT - 1} "
-                          f"(JAX keys hold 32 bits: a larger seed would repeat a smaller one's run)")
-    _choice("on_nonfinite", c.on_nonfinite, NONFINITE_POLICIES)
-    _validate_model(c)
-    _choice("data.task", c.data.task, tasks.task_names())
-    min_len = tasks.get_task(c.data.task).min_seq_len
-    if c.data.seq_len < min_len:
-        raise ConfigError(f"key 'data.seq_len': got {c.data.seq_len}, the {c.data.task} task needs >= {min_len}")
-    _validate_optimizer(c.optimizer)
-    _validate_devices(c)
-    _non_negative("checkpoint.every", c.checkpoint.every)
-    _positive("checkpoint.keep", c.checkpoint.keep)
-    known = set(flatten(c))
-    for name in c.checkpoint.allow_changes:
-        if name not in known:
-            raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
-                              f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
-    _positive("profile.start_step", c.profile.start_step)
-    _non_negative("profile.num_steps", c.profile.num_steps)
-
-
-def _validate_model(c: Config) -> None:
-    m = c.model
-    _choice("model.cell", m.cell, cells.cell_names())
-    for key in ("hidden_dim", "num_layers"):  # the top-level key is the one source
-        if getattr(m, key) != getattr(c, key):
-            raise ConfigError(f"key 'model.{key}': got {getattr(m, key)}, but the top-level {key} is {getattr(c, key)}; "
-                              f"set the top-level key instead ({key}={getattr(m, key)})")
-    _choice("model.init", m.init, tuple(cells.INITIALIZERS))
-    _choice("model.activation", m.activation, tuple(cells.ACTIVATIONS))
-    _choice("model.stack_init", m.stack_init, STACK_INITS)
-    _choice("model.dtype", m.dtype, DTYPES)
-    _choice("model.recurrence", m.recurrence, RECURRENCES)
-    if m.recurrence == "custom_vjp" and not cells.get_cell(m.cell)(m.hidden_dim).has_backward:
-        raise ConfigError(f"key 'model.recurrence': got 'custom_vjp', but cell {m.cell!r} has no hand-written "
-                          f"backward; allowed: autodiff")
-    if m.recurrence == "custom_vjp" and m.remat:
-        raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
-                          "(the custom_vjp backward keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
-    if m.unroll is not None:
-        _positive("model.unroll", m.unroll)
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
-
-
-def _validate_optimizer(o: OptimizerConfig) -> None:
-    _choice("optimizer.name", o.name, OPTIMIZERS)
-    _positive("optimizer.lr", o.lr)
-    _choice("optimizer.schedule", o.schedule, SCHEDULES)
-    _non_negative("optimizer.warmup_steps", o.warmup_steps)
-    _non_negative("optimizer.clip_norm", o.clip_norm)
-    _non_negative("optimizer.weight_decay", o.weight_decay)
-    if not 0.0 <= o.end_lr_ratio <= 1.0:
-        raise ConfigError(f"key 'optimizer.end_lr_ratio': got {o.end_lr_ratio}, must be in [0, 1]")
-    for key in ("momentum", "b1", "b2"):
-        value = getattr(o, key)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"key 'optimizer.{key}': got {value}, must be in [0, 1)")
-
-
-def _validate_devices(c: Config) -> None:
-    d = c.distributed
-    if d.num_processes is not None:
-        _positive("distributed.num_processes", d.num_processes)
-    if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or 1):
-        raise ConfigError(
-            f"key 'distributed.process_id': got {d.process_id}, must be in [0, distributed.num_processes={d.num_processes})"
-        )
-    _choice("device.platform", c.device.platform, PLATFORMS)
-    _choice("device.strategy", c.device.strategy, STRATEGIES)
-    n = c.device.num_devices
-    if n is not None and not 1 <= n <= MAX_DEVICES:
-        raise ConfigError(f"key 'device.num_devices': got {n}, allowed: null or 1 .. {MAX_DEVICES} "
-                          f"(the devices of one process; a CPU simulates that many)")
-    k = c.device.steps_per_dispatch
-    if k is not None and not 1 <= k <= MAX_STEPS_PER_DISPATCH:
-        raise ConfigError(f"key 'device.steps_per_dispatch': got {k}, allowed: null or 1 .. {MAX_STEPS_PER_DISPATCH}")

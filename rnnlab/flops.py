@@ -10,7 +10,10 @@ cost, forward:
 
     first layer input  2 * I * G*H           x (P W_xh): the input projection P [I, H] folded
                                              into layer 0's W_xh (rnnlab.models.folds_projection)
-    per layer          R                     the cell's step, inside the time scan
+    per layer          R                     the cell's step, inside the time scan (0 for a cell
+                                             linear in its state)
+                       + the cell's output   `LinearCell.output_flops` (the LRU's Re(h C): 4 H^2)
+                       + 12 * H^2            `model.block=residual`: the gated MLP (3 [H, 2H] matmuls)
     layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
 
@@ -21,8 +24,9 @@ dW = X^T dY), except where X is data (no dX): the first layer's input term,
 
 per token. Once per step, not per token: the fold's products `P W_xh` (2 * I * H * G*H)
 and `c W_xh` (2 * H * G*H, c the projection's bias), forward, and twice that backward
-(their gradients for P, c and W_xh). Where the fold is not cheaper (I >= 2H, no task
-here), the projection runs as its own matmul instead: `2 * I * H` forward and backward
+(their gradients for P, c and W_xh). Where the fold is not cheaper (I >= 2H), or the first
+layer needs the projected input itself (a residual block, the LRU, the RG-LRU:
+`models.folds_first_layer`), the projection runs as its own matmul instead: `2 * I * H` forward and backward
 per token, plus the first layer's `2 * H * G*H` like the others. A step is the per-token
 count times `B * T` (global batch) plus the per-step terms. This is exact:
 `jaxpr_matmul_flops` counts the `dot_general`s of the traced step (scan bodies times
@@ -92,25 +96,27 @@ class StepFlops:
 
 def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
-    cell = get_cell(model.cell)(model.hidden_dim)
+    cell = model.make_cell()
     h, gh, layers = model.hidden_dim, cell.num_gates * model.hidden_dim, model.num_layers
     matmul = 2 * h * gh  # one [H, G*H] input weight applied to one token
-    recurrent = cell.recurrent_flops()
+    # Per layer besides its input term: the cell's recurrent matmul, its output map, the residual MLP.
+    per_layer = cell.recurrent_flops() + getattr(cell, "output_flops", lambda: 0)()
+    if model.block == "residual":
+        per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
     readout = 2 * h * output_dim
-    if models.folds_projection(input_dim, h):
-        first_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
-        forward = first_input + layers * recurrent + (layers - 1) * matmul + readout
-        backward = 2 * forward - first_input
+    if models.folds_first_layer(model, input_dim):
+        first_input = data_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
+        projection = 0
         fold = 2 * input_dim * h * gh + matmul  # P W_xh and c W_xh, once per step
         per_step_forward, per_step_backward = fold, 2 * fold
     else:
-        first_input = matmul  # x_1 W_xh of layer 0, its input x_1 = x P + c
-        projection = 2 * input_dim * h
-        forward = projection + layers * (recurrent + matmul) + readout
-        backward = 2 * forward - projection
+        first_input = matmul  # x_1 W_xh of layer 0, after x_1 = x P + c
+        projection = data_input = 2 * input_dim * h
         per_step_forward = per_step_backward = 0
+    forward = projection + first_input + layers * per_layer + (layers - 1) * matmul + readout
+    backward = 2 * forward - data_input
     # Remat reruns the scanned step: the cell's step and the input matmul (inside the scan on the autodiff path).
-    recompute = layers * recurrent + first_input + (layers - 1) * matmul if model.remat else 0
+    recompute = layers * cell.recurrent_flops() + first_input + (layers - 1) * matmul if model.remat else 0
     return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
 
 
@@ -339,6 +345,7 @@ def peak_flops(device: Any, kind: str = "float32", measure: bool = True) -> floa
             bad.append(k)
     if not measure:
         return None
+    log.info("measuring this device's peak matmul FLOP/s for MFU (about a second, once; cached in %s)", path)
     peak = measure_matmul_flops(QUICK_N, kinds[-1], device, repeats=5, min_seconds=0.05)
     try:
         for k in dict.fromkeys([kinds[-1], *bad]):

@@ -10,16 +10,24 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from tensorboardX import SummaryWriter
+from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries
 
 from rnnlab import files
 
 
 
-def hparam_metric_tags(metric_names: tuple[str, ...]) -> tuple[str, ...]:
+def eval_tag(name: str, length: int) -> str:
+    """The TensorBoard tag of eval metric (or loss) `name` at length `length` (`data.eval_seq_lens`)."""
+    return f"eval/{name}@{length}"
+
+
+def hparam_metric_tags(metric_names: tuple[str, ...], eval_seq_lens: tuple[int, ...] = ()) -> tuple[str, ...]:
     """The scalars the HParams dashboard shows beside each run's hyper-parameters: eval loss,
-    every eval metric of the task (`metric_names`), train loss and tokens/s."""
-    return ("eval/loss", *(f"eval/{name}" for name in metric_names), "train/loss", "perf/tokens_per_sec")
+    every eval metric of the task (`metric_names`), each of them at every further eval length,
+    train loss and tokens/s."""
+    at_lengths = (eval_tag(name, n) for n in eval_seq_lens for name in metric_names)
+    return ("eval/loss", *(f"eval/{name}" for name in metric_names), *at_lengths, "train/loss", "perf/tokens_per_sec")
 
 
 class MetricWriter:
@@ -36,7 +44,12 @@ class MetricWriter:
 
     def write_scalars(self, step: int, scalars: Mapping[str, float | None]) -> None:
         for tag, value in scalars.items():
-            if value is not None:
+            if value is None:
+                continue
+            if "@" in tag:  # eval_tag's: tensorboardX's add_scalar would rename the '@' to '_'
+                summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+                self._writer._get_file_writer().add_summary(summary, global_step=step)
+            else:
                 self._writer.add_scalar(tag, float(value), global_step=step)
 
     def write_hparams(self, hparams: Mapping[str, Any], metric_tags: tuple[str, ...]) -> None:

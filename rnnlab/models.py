@@ -22,15 +22,16 @@ bfloat16 they are cast at use and the readout's output is cast back to float32 f
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells import Cell, get_cell
+from rnnlab.cells import Cell, LinearCell, get_cell
 from rnnlab.config import ModelConfig
-from rnnlab.recurrence import linear, recurrence
+from rnnlab.recurrence import linear, linear_recurrence, recurrence, scan_linear
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -59,6 +60,13 @@ def folds_projection(input_dim: int, hidden_dim: int) -> bool:
     tasks here have I = 2 or 10).
     """
     return input_dim < 2 * hidden_dim
+
+
+def folds_first_layer(config: ModelConfig, input_dim: int) -> bool:
+    """Whether this model's first layer folds the input projection (`folds_projection`): not where
+    a residual block or the cell itself needs the projected input x P + c."""
+    cell = get_cell(config.cell)
+    return config.block == "plain" and not cell.uses_layer_input and folds_projection(input_dim, config.hidden_dim)
 
 
 def fold_projection(projection: tuple[jax.Array, jax.Array], w_xh: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -107,12 +115,14 @@ class RecurrentLayer(nn.Module):
 
     hidden_dim: int
     cell: str  # a registered cell's name
+    cell_options: tuple[tuple[str, Any], ...] = ()  # the cell's own fields (`ModelConfig.options`)
     init_scheme: str = "uniform"  # see `rnnlab.cells.INITIALIZERS` (not `init`: that is Module.init)
     activation: str = "tanh"
     forget_bias: float = 1.0  # initial forget-gate bias, for cells that have one
     recurrence: str = "autodiff"  # autodiff: jax.grad of the scanned cell | custom_vjp: the cell's own backward
     remat: bool = False  # recompute each step in the backward pass instead of storing it (autodiff)
     unroll: int = 1  # time steps per iteration of the scan's loop
+    time_scan: str = "sequential"  # linear cells: sequential | associative
     dtype: Any = jnp.float32  # compute dtype
     dropout: float = 0.0  # dropout rate on this layer's output (`dropout` rng)
     deterministic: bool = True  # no dropout (evaluation)
@@ -124,19 +134,22 @@ class RecurrentLayer(nn.Module):
         projection: None, or the input projection's (kernel f32[I, H], bias f32[H]), which
         this layer applies before its own input weights W_xh: f32[H, G*H].
         """
-        cell = get_cell(self.cell)(self.hidden_dim, self.init_scheme, self.activation, self.forget_bias)
+        cell = get_cell(self.cell)(self.hidden_dim, self.init_scheme, self.activation, self.forget_bias,
+                                   **dict(self.cell_options))
         width = cell.num_gates * self.hidden_dim
         fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
         w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
         b = self.param("b", cell.bias_init(), (width,))
         params = CellParams(cell, name="cell")()
-        if projection is not None and folds_projection(x.shape[-1], self.hidden_dim):
+        if projection is not None and not cell.uses_layer_input and folds_projection(x.shape[-1], self.hidden_dim):
             w_xh, b = fold_projection(projection, w_xh, b)
         elif projection is not None:
             kernel, bias = (a.astype(self.dtype) for a in projection)
             x = x.astype(self.dtype) @ kernel + bias
         x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
         params = jax.tree_util.tree_map(lambda p: p.astype(self.dtype), params)
+        if isinstance(cell, LinearCell):
+            return self._dropout(self._linear(cell, params, x, w_xh, b)), None
         if self.recurrence == "custom_vjp":
             hs = recurrence(cell, self.unroll, linear(x, w_xh), b, params)
             return self._dropout(hs), None
@@ -152,10 +165,60 @@ class RecurrentLayer(nn.Module):
         _, hs = jax.lax.scan(step, cell.initial_carry(x[0]), x, unroll=self.unroll)
         return self._dropout(hs), None
 
+    def _linear(self, cell: LinearCell, params: Any, x: jax.Array, w_xh: jax.Array, b: jax.Array) -> jax.Array:
+        """A cell linear in its state: every step's coefficients at once, then one time scan over them."""
+        a, coef_b = cell.coefficients(params, linear(x, w_xh) + b, x)
+        if self.recurrence == "custom_vjp":
+            hs = linear_recurrence(a, coef_b, self.time_scan, self.unroll)
+        else:
+            hs = scan_linear(a, coef_b, self.time_scan, self.unroll)
+        return cell.output(params, hs, x)
+
     def _dropout(self, hs: jax.Array) -> jax.Array:
         if self.dropout > 0:
             hs = nn.Dropout(self.dropout, deterministic=self.deterministic)(hs)
         return hs
+
+
+MLP_EXPANSION = 2  # the gated MLP's hidden width, in multiples of H
+
+
+class GatedMLP(nn.Module):
+    """x -> (gelu(x W_gate) * (x W_up)) W_down, hidden width `MLP_EXPANSION` * H: the MLP of Griffin's
+    and the LRU paper's residual blocks (no biases)."""
+
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        width, hidden = x.shape[-1], MLP_EXPANSION * x.shape[-1]
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
+        gate, up = dense(hidden, name="gate")(x), dense(hidden, name="up")(x)
+        return dense(width, name="down")(nn.gelu(gate) * up)
+
+
+class ResidualBlock(nn.Module):
+    """A pre-norm residual block (`model.block=residual`), as in the LRU and Griffin papers:
+    x + layer(norm(x)), then x + GatedMLP(norm(x)), with RMS norms. Between linear recurrences,
+    the MLP is what makes a stack of them more than one linear map. Takes `RecurrentLayer`'s fields
+    and call signature; given the input projection, it applies it first (a residual needs x in H)."""
+
+    hidden_dim: int
+    cell: str
+    layer_fields: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
+
+    @nn.compact
+    def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
+        fields = dict(self.layer_fields)
+        dtype = fields.get("dtype", jnp.float32)
+        if projection is not None:
+            kernel, bias = (a.astype(dtype) for a in projection)
+            x = x.astype(dtype) @ kernel + bias
+        x = x.astype(dtype)
+        y, _ = RecurrentLayer(self.hidden_dim, self.cell, **fields, name="recurrence")(
+            nn.RMSNorm(dtype=dtype, name="norm_0")(x))
+        x = x + y
+        return x + GatedMLP(dtype, name="mlp")(nn.RMSNorm(dtype=dtype, name="norm_1")(x)), None
 
 
 class LayerStack(nn.Module):
@@ -178,6 +241,7 @@ class LayerStack(nn.Module):
     scan_layers: bool = True
     stack_init: str = "scan"  # scan | vmap
     layer_options: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
+    block: str = "plain"  # plain: RecurrentLayer | residual: ResidualBlock around it
 
     @nn.compact
     def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
@@ -185,23 +249,28 @@ class LayerStack(nn.Module):
         -> [T, B, H] (time-major)."""
         kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
                       **dict(self.layer_options))
-        x, _ = RecurrentLayer(**kwargs, name="layer_0")(x, projection=projection)
+        layer_class = RecurrentLayer
+        if self.block == "residual":
+            layer_class = ResidualBlock
+            kwargs = dict(hidden_dim=kwargs.pop("hidden_dim"), cell=kwargs.pop("cell"),
+                          layer_fields=tuple(kwargs.items()))
+        x, _ = layer_class(**kwargs, name="layer_0")(x, projection=projection)
         rest = self.num_layers - 1
         if rest == 0:
             return x
         if not self.scan_layers:
             for i in range(1, self.num_layers):
-                x, _ = RecurrentLayer(**kwargs, name=f"layer_{i}")(x)
+                x, _ = layer_class(**kwargs, name=f"layer_{i}")(x)
             return x
         if self.stack_init == "vmap" and self.is_initializing():
             stack = nn.vmap(
-                RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                layer_class, variable_axes={"params": 0}, split_rngs={"params": True},
                 in_axes=None, axis_size=rest,
             )
             stack(**kwargs, name="layers")(x, None)
             return x
         stack = nn.scan(
-            RecurrentLayer, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=rest,
+            layer_class, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=rest,
         )
         x, _ = stack(**kwargs, name="layers")(x, None)
         return x
@@ -224,15 +293,17 @@ class RecurrentModel(nn.Module):
             raise ValueError("model.unroll is null: build the model with rnnlab.models.build_model, which resolves it")
         dtype = DTYPES[c.dtype]
         layer_options = (
-            ("cell", c.cell), ("forget_bias", c.forget_bias), ("recurrence", c.recurrence),
-            ("remat", c.remat), ("unroll", c.unroll),
+            ("cell", c.cell), ("cell_options", c.options), ("forget_bias", c.forget_bias),
+            ("recurrence", c.recurrence), ("remat", c.remat), ("unroll", c.unroll), ("time_scan", c.time_scan),
             ("dtype", dtype), ("dropout", c.dropout),
             ("deterministic", not train),
         )
         x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I]: the stack runs time-major throughout
         projection = InputProjection(c.hidden_dim, name="input_proj")(x.shape[-1])
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
-                       layer_options, name="stack")(x, projection)
+                       layer_options, c.block, name="stack")(x, projection)
+        if c.block == "residual":
+            x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
         return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
 

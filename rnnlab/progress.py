@@ -20,6 +20,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
+class ConsoleFormatter(logging.Formatter):
+    """`14:03:27 message` on the console (conf/hydra/job_logging/rnnlab.yaml), and for warnings and
+    errors `14:03:27 WARNING [logger] message`: Hydra's default prefix took 50 of 80 columns."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if record.levelno < logging.WARNING:
+            return text
+        stamp, _, message = text.partition(" ")
+        return f"{stamp} {record.levelname} [{record.name}] {message}"
+
+
 def wants_bar(stream: IO[str] | None = None) -> bool:
     """A bar only for an interactive terminal, and only in the main process (parallel jobs would fight over it)."""
     stream = stream or sys.stdout

@@ -128,3 +128,58 @@ def _recurrence_bwd(cell, unroll, residuals, g):
 
 
 recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
+
+
+# --- Recurrences linear in the state: h_t = a_t * h_{t-1} + b_t (elementwise) ------------------------
+
+
+def _combine(earlier: tuple[jax.Array, jax.Array], later: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Two steps of h -> a * h + b composed: first `earlier`, then `later` (an associative operation)."""
+    a1, b1 = earlier
+    a2, b2 = later
+    return a1 * a2, a2 * b1 + b2
+
+
+def scan_linear(a: jax.Array, b: jax.Array, time_scan: str = "sequential", unroll: int = 1,
+                reverse: bool = False) -> jax.Array:
+    """hs with h_t = a_t * h_{t-1} + b_t from h = 0, over axis 0 (a, b: [T, ...], real or complex).
+
+    `sequential` is one `lax.scan` (T steps of depth 1); `associative` is `lax.associative_scan`
+    over the pairs (a_t, b_t) (depth O(log T), about twice the work). `reverse` runs from the end:
+    h_t = a_t * h_{t+1} + b_t.
+    """
+    if time_scan == "associative":
+        return jax.lax.associative_scan(_combine, (a, b), reverse=reverse)[1]
+
+    def step(h, ab):
+        h = ab[0] * h + ab[1]
+        return h, h
+
+    return jax.lax.scan(step, jnp.zeros_like(b[0]), (a, b), reverse=reverse, unroll=unroll)[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def linear_recurrence(a: jax.Array, b: jax.Array, time_scan: str = "sequential", unroll: int = 1) -> jax.Array:
+    """`scan_linear` with its backward written by hand: the same recurrence run in reverse,
+
+        dh_t = g_t + a_{t+1} * dh_{t+1},   da_t = dh_t * h_{t-1},   db_t = dh_t
+
+    (JAX's transpose convention: no conjugation for complex a, b). It keeps a and hs, O(T*B*H),
+    where autodiff of `associative_scan` keeps every level's partial products."""
+    return scan_linear(a, b, time_scan, unroll)
+
+
+def _linear_recurrence_fwd(a, b, time_scan, unroll):
+    hs = scan_linear(a, b, time_scan, unroll)
+    return hs, (a, hs)
+
+
+def _linear_recurrence_bwd(time_scan, unroll, residuals, g):
+    a, hs = residuals
+    a_next = jnp.concatenate([a[1:], jnp.zeros_like(a[:1])])  # a_{t+1}, 0 past the end
+    dh = scan_linear(a_next, g.astype(hs.dtype), time_scan, unroll, reverse=True)
+    h_prev = jnp.concatenate([jnp.zeros_like(hs[:1]), hs[:-1]])
+    return dh * h_prev, dh
+
+
+linear_recurrence.defvjp(_linear_recurrence_fwd, _linear_recurrence_bwd)

@@ -15,7 +15,7 @@ import numpy as np
 from rnnlab import config as cfg
 from rnnlab import flops, parallel, tasks
 from rnnlab.checkpoint import Checkpointer
-from rnnlab.metrics import MetricWriter, ThroughputClock, finite_or_none
+from rnnlab.metrics import MetricWriter, ThroughputClock, eval_tag, finite_or_none
 from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
 from rnnlab.steps import train_metric_names
@@ -55,8 +55,8 @@ class Run:
     dp: parallel.DataParallel
     dispatch: Callable  # steps.make_dispatch: (state, n) -> (state, stacked metrics)
     steps_per_dispatch: int
-    p_eval_step: Callable
-    eval_batches: list
+    evaluator: tuple[Callable, list]  # steps.make_evaluator: (p_eval_step, eval batches) at data.seq_len
+    length_evaluators: dict[int, tuple[Callable, list]]  # the same at each data.eval_seq_lens length but seq_len
     checkpointer: Checkpointer
     writer: MetricWriter
     tokens_per_step: int
@@ -69,6 +69,7 @@ class Run:
     compile_seconds: float | None = None
     last_train: dict[str, float] = dataclasses.field(default_factory=dict)
     last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_eval_by_len: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     final_step: int = 0
     skipped_updates: int = 0
 
@@ -130,12 +131,22 @@ class Run:
             self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
 
     def evaluate(self, step: int, state: Any) -> None:
-        batches = self.dp.to_host([self.p_eval_step(state, batch) for batch in self.eval_batches])
-        metrics = mean_rows([{k: float(v) for k, v in m.items()} for m in batches])
+        """Evaluate at data.seq_len and at every data.eval_seq_lens length: all dispatched, then one host read."""
+        lengths = list(self.length_evaluators)
+        dispatched = [[p_eval_step(state, batch) for batch in batches]
+                      for p_eval_step, batches in [self.evaluator, *self.length_evaluators.values()]]
+        means = [mean_rows([{k: float(v) for k, v in m.items()} for m in rows]) for rows in self.dp.to_host(dispatched)]
+        metrics = means[0]
         self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
         self.last_eval = metrics
         log.info("eval step %d | loss %.4f%s | baseline loss %.4f", step, metrics["loss"],
                  _format_metrics(self.task, metrics), self.task.baseline_loss)
+        by_len = dict(zip(lengths, means[1:])) | {self.task.seq_len: metrics}
+        self.last_eval_by_len = {n: by_len[n] for n in self.config.data.eval_seq_lens}
+        for n, at_n in self.last_eval_by_len.items():
+            self.writer.write_scalars(step, {eval_tag(k, n): v for k, v in at_n.items()})
+            log.info("eval step %d at length %d | loss %.4f%s | baseline loss %.4f", step, n, at_n["loss"],
+                     _format_metrics(self.task, at_n), self.task.with_seq_len(n).baseline_loss)
 
     def results(self, status: str, step: int, num_params: int, wall_start: float,
                 error: str | None = None) -> dict[str, Any]:
@@ -152,6 +163,10 @@ class Run:
             "eval_metric": finite_or_none(self.last_eval.get(headline)) if headline else None,
             "eval_metric_name": headline,
             "eval_metrics": {name: finite_or_none(self.last_eval.get(name)) for name in self.task.metric_names},
+            # {"<length>": {"loss": x, "<metric>": y, ...}} for each data.eval_seq_lens length (null: not evaluated)
+            "eval_by_len": {str(n): {name: finite_or_none(self.last_eval_by_len.get(n, {}).get(name))
+                                     for name in ("loss", *self.task.metric_names)}
+                            for n in self.config.data.eval_seq_lens},
             "baseline_loss": self.task.baseline_loss,
             "num_params": num_params, "num_devices": len(self.devices), "steps_per_dispatch": self.steps_per_dispatch,
             "platform": self.devices[0].platform, "tokens_per_step": self.tokens_per_step,

@@ -21,18 +21,26 @@ STRUCTURAL_KEYS = (
     "data.task",
     "optimizer.name",
 )
+# The task's widths, recorded beside the config: a task option that changes them (e.g. data.vocab_size)
+# changes the parameter shapes, so it is refused like a structural key, without a list of such options.
+WIDTH_KEYS = ("task.input_dim", "task.output_dim")
 # Keys that cannot change a run's parameters: what is logged, evaluated, saved or traced and
 # when, how many steps share a dispatch (the same steps either way), and how processes meet.
 # `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
 DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
-FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "device.num_devices", "device.steps_per_dispatch",
-             DISPATCH_USED_KEY)
+FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "device.num_devices",
+             "device.steps_per_dispatch", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.")
 
 
 def is_free(key: str) -> bool:
     return key in FREE_KEYS or key.startswith(FREE_GROUPS)
+
+
+def task_widths(task: Any) -> dict[str, int]:
+    """The run record's WIDTH_KEYS of a `rnnlab.tasks.Task`."""
+    return {"task.input_dim": task.input_dim, "task.output_dim": task.output_dim}
 
 
 def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Sequence[str]) -> dict[str, list]:
@@ -41,12 +49,22 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Se
 
     `saved` and `now` are flat configs with DEVICES_USED_KEY resolved. A structural key is refused
     whatever `allowed` says. Keys missing on either side (a key added or removed by an rnnlab
-    version) compare as None."""
+    version) compare as None. A change of the task's widths (WIDTH_KEYS) is refused the same way,
+    naming the data keys that changed."""
     for key in STRUCTURAL_KEYS:
         if key in saved and saved[key] != now.get(key):
             raise ConfigError(
                 f"key '{key}': this run dir was trained with {saved[key]!r}, now {now.get(key)!r}; "
                 f"use the same value to resume, or a new hydra.run.dir"
+            )
+    for key in WIDTH_KEYS:
+        if key in saved and saved[key] != now.get(key):
+            causes = [k for k in sorted(set(saved) | set(now)) if k.startswith("data.") and saved.get(k) != now.get(k)]
+            named = "".join(f", {k} {saved.get(k)!r} -> {now.get(k)!r}" for k in causes)
+            raise ConfigError(
+                f"key '{causes[0] if causes else key}': this run dir was trained with {key}={saved[key]!r}, now "
+                f"{now.get(key)!r}{named}: the parameter shapes differ; use the same values to resume, or a new "
+                f"hydra.run.dir"
             )
     changed = {key: [saved.get(key), now.get(key)] for key in sorted(set(saved) | set(now))
                if not is_free(key) and saved.get(key) != now.get(key)}

@@ -123,6 +123,17 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
+def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int,
+                   dp: parallel.DataParallel) -> tuple[Callable, list]:
+    """(p_eval_step, eval batches) of `task`: its eval step mapped over `dp` (state replicated, batch
+    sharded -> replicated metrics) and the `config.eval_batches` batches of the eval stream at the
+    task's length, drawn once on the devices. One per evaluated length: each compiles on its first call."""
+    p_eval_step = dp.map(functools.partial(eval_step, task=task), (parallel.REPLICATED, parallel.SHARDED),
+                         parallel.REPLICATED)
+    sample = make_sampler(task, tasks.stream_key(config.seed, tasks.EVAL_STREAM), per_device, dp)
+    return p_eval_step, [sample(dp.host_scalar(i)) for i in range(config.eval_batches)]
+
+
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:
     """The keys of `train_step`'s metrics, in the order `make_dispatch` stacks them."""
     return ("loss", *task.metric_names, "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
@@ -138,7 +149,8 @@ def default_steps_per_dispatch(platform: str) -> int:
 def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule, dp: parallel.DataParallel,
                   per_device: int, max_steps: int = 1) -> Callable:
     """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
-    its batch drawn on the devices -> (state, f32[max_steps, len(train_metric_names)]),
+    its batch drawn on the devices (lengths drawn per example with data.min_seq_len)
+    -> (state, f32[max_steps, len(train_metric_names)]),
     row i holding step i's metrics (rows >= n unused; with max_steps=1 one row, f32[len(names)]);
     state donated.
 
@@ -158,7 +170,8 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
 
     def one_step(state):
         first = jax.lax.axis_index(parallel.AXIS) * per_device
-        state, metrics = update(state, tasks.sample_batch(task, stream, state.step, first, per_device))
+        batch = tasks.sample_batch(task, stream, state.step, first, per_device, config.data.min_seq_len)
+        state, metrics = update(state, batch)
         return state, jnp.stack([metrics[k] for k in names])
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)

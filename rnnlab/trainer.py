@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import os
@@ -28,9 +27,9 @@ from rnnlab.models import build_model, count_params, summary_table
 from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
 from rnnlab.run import NonFiniteLossError, Run
-from rnnlab.rundir import DEVICES_USED_KEY, DISPATCH_USED_KEY, RunDirLock, resume_changes
-from rnnlab.steps import (PARAMS_STREAM, create_train_state, default_steps_per_dispatch, eval_step, make_dispatch,
-                          make_optimizer, make_sampler)
+from rnnlab.rundir import DEVICES_USED_KEY, DISPATCH_USED_KEY, RunDirLock, resume_changes, task_widths
+from rnnlab.steps import (PARAMS_STREAM, create_train_state, default_steps_per_dispatch, make_dispatch, make_evaluator,
+                          make_optimizer)
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +127,7 @@ def _set_up(config: cfg.Config, workdir: Path, devices: list, checkpointer: Chec
 def _now(config: cfg.Config, num_devices: int | None, steps_per_dispatch: int | None) -> dict[str, Any]:
     """The run record's flat config: `config` with the resolved device count and dispatch size, as
     JSON gives it back (lists, not tuples), so that it compares equal to a saved one."""
-    flat = {**cfg.flatten(config), DISPATCH_USED_KEY: steps_per_dispatch}
+    flat = {**cfg.flatten(config), **task_widths(tasks.make_task(config.data)), DISPATCH_USED_KEY: steps_per_dispatch}
     if num_devices is not None:
         flat[DEVICES_USED_KEY] = num_devices
     return json.loads(json.dumps(flat))
@@ -141,9 +140,12 @@ def _check_state_fits(setup: _Setup) -> None:
     example = jax.ShapeDtypeStruct((1, task.total_len, task.input_dim), jnp.float32)
     state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx), example)
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
-    batch = jax.eval_shape(lambda: tasks.sample_batch(task, stream, 0, 0, config.batch_size))
+    # A train batch and the eval batches of every evaluated length stay on the devices.
+    evaluated = [task] + [task.with_seq_len(n) for n in config.data.eval_seq_lens if n != config.data.seq_len]
+    sizes = [memory.tree_bytes(jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)))
+             for t in evaluated]
     local = parallel.local_count(setup.devices)
-    batches = memory.tree_bytes(batch) * (config.eval_batches + 1) / max(1, jax.process_count())
+    batches = (sizes[0] + config.eval_batches * sum(sizes)) / max(1, jax.process_count())
     memory.check_fits("the train state and the batches", host_bytes=memory.tree_bytes(state),
                       device_bytes=memory.tree_bytes(state) + batches / local, devices=setup.devices, config=config)
 
@@ -224,9 +226,11 @@ def _make_run(setup: _Setup, start_step: int) -> Run:
         config=config, workdir=setup.workdir, task=task, devices=devices, dp=dp,
         dispatch=make_dispatch(config, task, setup.schedule, dp, per_device, setup.steps_per_dispatch),
         steps_per_dispatch=setup.steps_per_dispatch,
-        p_eval_step=dp.map(functools.partial(eval_step, task=task), (parallel.REPLICATED, parallel.SHARDED),
-                           parallel.REPLICATED),
-        eval_batches=[], checkpointer=setup.checkpointer,
+        evaluator=make_evaluator(config, task, per_device, dp),
+        # One eval step and its batches per further length (data.seq_len's own is the usual eval's).
+        length_evaluators={n: make_evaluator(config, task.with_seq_len(n), per_device, dp)
+                           for n in config.data.eval_seq_lens if n != config.data.seq_len},
+        checkpointer=setup.checkpointer,
         writer=MetricWriter(setup.workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
                             enabled=setup.primary),
         tokens_per_step=tokens_per_step,
@@ -235,9 +239,7 @@ def _make_run(setup: _Setup, start_step: int) -> Run:
         profiler=StepProfiler(config.profile, setup.workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
     )
-    sample_eval = make_sampler(task, tasks.stream_key(config.seed, tasks.EVAL_STREAM), per_device, dp)
-    run.eval_batches = [sample_eval(dp.host_scalar(i)) for i in range(config.eval_batches)]
-    run.writer.write_hparams(cfg.flatten(config), hparam_metric_tags(task.metric_names))
+    run.writer.write_hparams(cfg.flatten(config), hparam_metric_tags(task.metric_names, config.data.eval_seq_lens))
     return run
 
 

@@ -46,7 +46,7 @@ def test_adamw_inherits_adam_keys_and_decays():
         ("batch_size=abc", "batch_size", "integer"),
         ("model.cell=transformer", "model.cell", "rnn"),
         ("model.init=xavier", "model.init", "orthogonal"),
-        ("data.task=parity", "data.task", "adding, copy"),
+        ("data.task=sorting", "data.task", "adding, copy"),
         ("data.seq_len=1", "data.seq_len", ">= 2"),
         ("optimizer.lr=-0.1", "optimizer.lr", "> 0"),
         ("optimizer.name=rmsprop", "optimizer.name", "adam, adamw, sgd"),

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, compose_config
 from rnnlab import flops, models, parallel, tasks
-from rnnlab.cells import CELLS
+from rnnlab.cells import CELLS, LinearCell
 from rnnlab.models import build_model
 from rnnlab.steps import create_train_state, make_optimizer, train_step
 
@@ -70,11 +70,21 @@ OPTIONS = [
     ["model.recurrence=custom_vjp", "model.unroll=2", "model.scan_layers=false"],
     ["data=copy", "data.seq_len=12"],
     ["data=copy", "data.seq_len=12", "hidden_dim=4"],  # I = 10 >= 2H: the projection is not folded
+    ["model.block=residual", "num_layers=3"],
+    ["model.block=residual", "model.scan_layers=false", "model.recurrence=autodiff"],
+    ["model.time_scan=associative"],  # linear cells only
+    ["model.time_scan=associative", "model.recurrence=autodiff", "model.block=residual"],
 ]
 
 
-@pytest.mark.parametrize("cell", PACKAGE_CELLS)
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(o) or "default")
+def _applies(cell, options):
+    """remat is for classic cells, the associative scan for linear ones (each refuses the other)."""
+    linear = issubclass(CELLS[cell], LinearCell)
+    return not (linear and "model.remat=true" in options or not linear and "model.time_scan=associative" in options)
+
+
+@pytest.mark.parametrize("cell, options", [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)],
+                         ids=lambda v: v if isinstance(v, str) else ",".join(v) or "default")
 def test_analytic_count_equals_the_traced_matmuls(cell, options):
     """Exact: every dot_general of the traced step (scan bodies times their length), remat included."""
     step, args, config, task = step_and_args([*SMALL, f"model.cell={cell}", *options])
@@ -86,7 +96,8 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     """XLA counts a loop body once: unroll the scans so it counts every iteration, then compare.
 
     XLA also counts elementwise ops and the optimizer (not in the analytic count), a few
-    percent at these sizes, so the analytic count is at most 4% below XLA's.
+    percent at these sizes, so the analytic count is at most 4% below XLA's; a cell linear in its
+    state has no recurrent matmul, so its elementwise share is larger (measured 5-12%): 15% there.
     """
     overrides = ["batch_size=32", "hidden_dim=128", f"num_layers={num_layers}", "data.seq_len=4", f"model.cell={cell}"]
     step, args, config, task = step_and_args(overrides)
@@ -94,7 +105,8 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
         compiled = jax.jit(step).lower(*args).compile()
     xla = flops.xla_flops(compiled)
     model = analytic(config, task).model
-    assert 0.96 * xla <= model <= 1.005 * xla, f"analytic {model:.4g} vs XLA {xla:.4g} ({model / xla:.3f})"
+    low = 0.85 if issubclass(CELLS[cell], LinearCell) else 0.96
+    assert low * xla <= model <= 1.005 * xla, f"analytic {model:.4g} vs XLA {xla:.4g} ({model / xla:.3f})"
 
 
 def test_backward_is_twice_forward_less_the_data_gradient():

@@ -161,8 +161,9 @@ def test_optuna_study_of_three_trials(tmp_path):
     assert 1e-4 <= best["best_params"]["optimizer.lr"] <= 3e-2
 
 
-def test_debug_fast_preset_composes():
-    config = compose_config(["debug=fast"])
+@pytest.mark.parametrize("task", ["adding", "copy", "selective_copy", "mqar", "parity"])
+def test_debug_fast_preset_composes_with_every_task(task):
+    config = compose_config(["debug=fast", f"data={task}"])
     assert config.steps == 4 and config.log_every == 1 and config.checkpoint.enabled is False
 
 

@@ -8,7 +8,8 @@ import importlib
 import pkgutil
 
 from rnnlab.cells.registry import (  # noqa: F401  (the public names)
-    ACTIVATIONS, CELLS, INITIALIZERS, Cell, cell_names, from_torch, get_cell, initializers, per_gate, register_cell,
+    ACTIVATIONS, CELLS, INITIALIZERS, Cell, LinearCell, cell_names, from_torch, get_cell, initializers, per_gate,
+    register_cell,
 )
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):

@@ -112,6 +112,8 @@ class Cell:
     # custom_vjp forward: read each step's input one iteration ahead (`rnnlab.recurrence.scan`).
     prefetch: ClassVar[bool] = False
     torch_class: ClassVar[str | None] = None  # torch.nn.<torch_class> computes the same layer, if any
+    time_scans: ClassVar[tuple[str, ...]] = ("sequential",)  # `model.time_scan` choices (associative: linear cells)
+    uses_layer_input: ClassVar[bool] = False  # reads the layer's input x itself (so layer 0 gets x P + c, unfolded)
 
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], Initializer]]:
         """The recurrent parameters: name -> (shape, initializer). Created under the layer's `cell/`."""
@@ -160,6 +162,10 @@ class Cell:
         gradients of `params`); db is sum(du). `rnnlab.recurrence` has the helpers."""
         raise NotImplementedError
 
+    def option_problem(self) -> str | None:
+        """A one-line message naming the `model.<key>` of a cell option out of range, or None."""
+        return None
+
     def recurrent_flops(self) -> int:
         """Matmul FLOPs of one `step` for one example (h_{t-1} W_hh: 2 H G H)."""
         return 2 * self.hidden_dim * self.num_gates * self.hidden_dim
@@ -172,6 +178,54 @@ class Cell:
             raise ValueError(f"cell {cls.name!r} has no PyTorch counterpart")
         w_ih, w_hh, b_ih, b_hh = (np.asarray(a, np.float32) for a in (weight_ih, weight_hh, bias_ih, bias_hh))
         return {"W_xh": w_ih.T, "b": b_ih + b_hh, "cell": {"W_hh": w_hh.T}}
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCell(Cell):
+    """A cell linear in its state, `h_t = a_t * h_{t-1} + b_t` elementwise, with a_t and b_t functions of
+    the input alone: the whole time recurrence is one `rnnlab.recurrence.linear_recurrence`, which runs
+    as a sequential or an associative scan (`model.time_scan`) and has its backward written by hand.
+
+    Subclasses define `coefficients` (a, b for all time steps at once) and may define `output`
+    (what the layer emits from the states; default the states). `step` is derived from them, for
+    reference and tests; the layer never scans it.
+    """
+
+    time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
+
+    def param_specs(self):
+        return {}
+
+    def coefficients(self, params: Params, u: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(params, u = x W_xh + b: [T, B, G*H], x: the layer input [T, B, I]) -> (a, b): [T, B, H] each."""
+        raise NotImplementedError
+
+    def output(self, params: Params, hs: jax.Array, x: jax.Array) -> jax.Array:
+        """hs: [T, B, H] states -> the layer's output [T, B, H] (real)."""
+        return hs
+
+    def output_flops(self) -> int:
+        """Matmul FLOPs of `output` per token."""
+        return 0
+
+    def initial_carry(self, like):
+        return jnp.zeros_like(like, shape=(like.shape[0], self.hidden_dim), dtype=self.state_dtype(like.dtype))
+
+    def state_dtype(self, dtype: Any) -> Any:
+        return dtype
+
+    def step(self, params, h, u, x=None):
+        """One step from `coefficients` (u: [B, G*H], x: [B, I]); a reference for tests."""
+        a, b = self.coefficients(params, u[None], None if x is None else x[None])
+        h = a[0] * h + b[0]
+        return h, self.output(params, h[None], None if x is None else x[None])[0], None
+
+    @property
+    def has_backward(self) -> bool:
+        return True  # the linear recurrence's own (`rnnlab.recurrence.linear_recurrence`)
+
+    def recurrent_flops(self) -> int:
+        return 0
 
 
 CELLS: Registry[type[Cell]] = Registry("cell")

@@ -2,7 +2,9 @@
 
 A task is one file: subclass `Task`, decorate it with `@register_task`, and the config's
 choices (`data=<name>`), the minimum `data.seq_len`, the trainer's metrics, TensorBoard
-tags, HParams metrics, results.json and `scripts/summarize.py` all find it by name.
+tags, HParams metrics, results.json and `scripts/summarize.py` all find it by name. Its own
+parameters are dataclass fields with defaults, set from the keys under `data:`
+(`rnnlab.tasks.options`); a task that defines `sample_padded` accepts `data.min_seq_len`.
 
 Batches are generated on device from `(stream key, step, example index)`: every example
 is drawn from its own key, `fold_in(fold_in(stream, step), global_index)`, so a step's
@@ -18,12 +20,14 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from rnnlab.registry import Registry
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
 # Names the trainer gives its own per-step values; a task's metrics must not reuse them.
 RESERVED_METRIC_NAMES = ("loss", "grad_norm", "lr", "skipped")
+IGNORE = -1  # the target of a step that is not scored (`masked_cross_entropy`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +45,10 @@ jax.tree_util.register_dataclass(Batch, data_fields=["inputs", "targets"], meta_
 class Task:
     """A synthetic sequence task of length parameter `seq_len` (`data.seq_len`).
 
-    Subclasses set the class constants and define `baseline_loss`, `sample_one` and
-    `loss_and_metrics`; `total_len` defaults to `seq_len`.
+    Subclasses set `name`, the widths and `min_seq_len` (class constants, or properties where
+    they depend on the task's own fields) and define `baseline_loss`, `sample_one` (or
+    `sample_padded`) and `loss_and_metrics`; `total_len` defaults to `seq_len`. A subclass's
+    dataclass fields (with defaults) are its options, set as `data.<field>`.
     """
 
     seq_len: int
@@ -63,8 +69,35 @@ class Task:
         raise NotImplementedError
 
     def sample_one(self, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """One example from `key` -> (inputs f32[total_len, input_dim], targets)."""
+        """One example from `key` -> (inputs f32[total_len, input_dim], targets).
+
+        A task with `sample_padded` gets this for free: its example of the full length."""
+        if self.variable_length():
+            return self.sample_padded(key, jnp.int32(self.seq_len))
         raise NotImplementedError
+
+    def sample_padded(self, key: jax.Array, length: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One example of length parameter `length` (int32[], traced; min_seq_len <= length <= seq_len),
+        padded with zero inputs to `total_len` steps -> (inputs f32[total_len, input_dim], targets).
+
+        Defining it declares that the task accepts `data.min_seq_len`. `loss_and_metrics` must then
+        score only the steps the example defines, and score the same number of them in every example,
+        so that a padded example gives the result of the unpadded one (the models are causal) and a
+        per-device mean averaged over devices is the mean over the global batch."""
+        raise NotImplementedError
+
+    @classmethod
+    def variable_length(cls) -> bool:
+        """Whether examples may be shorter than `seq_len` (`data.min_seq_len`): the task defines `sample_padded`."""
+        return cls.sample_padded is not Task.sample_padded
+
+    def check(self) -> None:
+        """Raise `OptionError` for an option out of range (called when the config is checked, before
+        any compile); the minimum `seq_len` is checked apart, against `min_seq_len`."""
+
+    def with_seq_len(self, seq_len: int) -> "Task":
+        """The same task at another length (for `data.eval_seq_lens`)."""
+        return dataclasses.replace(self, seq_len=seq_len)
 
     def loss_and_metrics(self, outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
         """outputs f32[B, total_len, output_dim], targets [B, ...] -> (scalar loss, {metric name: scalar}).
@@ -86,6 +119,28 @@ class Task:
         return names
 
 
+class OptionError(ValueError):
+    """A `data:` key is unknown, mistyped or out of range; the message is one line naming it
+    (`rnnlab.config` raises it again as a ConfigError: this package cannot import the config)."""
+
+
+def masked_cross_entropy(outputs: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """outputs f32[B, T, C] logits, targets int32[B, T] (IGNORE where not scored) -> (mean
+    cross-entropy, accuracy of the argmax), both over the scored steps only."""
+    scored = targets != IGNORE
+    labels = jnp.where(scored, targets, 0)
+    count = jnp.maximum(scored.sum(), 1)
+    loss = jnp.where(scored, optax.softmax_cross_entropy_with_integer_labels(outputs, labels), 0.0).sum() / count
+    correct = scored & (outputs.argmax(-1) == labels)
+    return loss, correct.sum() / count
+
+
+def per_position_uniform(key: jax.Array, size: int) -> jax.Array:
+    """f32[size] ~ U[0, 1), element i drawn from `fold_in(key, i)`: a longer draw extends a shorter
+    one, so an example padded to a larger `seq_len` is the unpadded example plus padding."""
+    return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(jnp.arange(size))
+
+
 TASKS: Registry[type[Task]] = Registry("task")
 register_task = TASKS.register  # class decorator: make a Task subclass available as `data.task=<its name>`
 get_task = TASKS.get_class
@@ -93,20 +148,29 @@ task_names = TASKS.names
 
 
 def make_task(config: Any) -> Task:
-    """The task of a `DataConfig` (`data.task`, `data.seq_len`)."""
-    return get_task(config.task)(config.seq_len)
+    """The task of a `DataConfig` (`data.task`, `data.seq_len` and the task's options)."""
+    return get_task(config.task)(config.seq_len, **dict(config.options))
 
 
-def sample_batch(task: Task, stream_key: jax.Array, step: jax.Array, first_index: jax.Array, size: int) -> Batch:
+def sample_batch(task: Task, stream_key: jax.Array, step: jax.Array, first_index: jax.Array, size: int,
+                 min_len: int | None = None) -> Batch:
     """Examples `first_index .. first_index+size-1` of the global batch at `step`.
 
-    stream_key: a key for the train or eval stream; step, first_index: int scalars.
+    stream_key: a key for the train or eval stream; step, first_index: int scalars. min_len:
+    None, every example of length `task.seq_len`; else (`data.min_seq_len`) each example's
+    length drawn uniformly from [min_len, seq_len] with its own key, and the example padded.
     """
     step_key = jax.random.fold_in(stream_key, step)
     indices = first_index + jnp.arange(size)
     keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(indices)
-    inputs, targets = jax.vmap(task.sample_one)(keys)
+    sample = task.sample_one if min_len is None else functools.partial(_sample_variable, task, min_len)
+    inputs, targets = jax.vmap(sample)(keys)
     return Batch(inputs, targets)
+
+
+def _sample_variable(task: Task, min_len: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+    length_key, key = jax.random.split(key)
+    return task.sample_padded(key, jax.random.randint(length_key, (), min_len, task.seq_len + 1))
 
 
 def stream_key(seed: int, stream: int) -> jax.Array:

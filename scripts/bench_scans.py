@@ -1,0 +1,125 @@
+"""Every cell at one width and depth over long sequences: the time scans, the hand-written backward
+of the linear recurrence against autodiff, memory and compile time.
+
+    python scripts/bench_scans.py                                    # the full table (about 20 min on 2 cores)
+    python scripts/bench_scans.py --cells gru mingru --seq-lens 1024 --repeats 3
+    python scripts/bench_scans.py --compile-layers 2 8 16            # compile seconds against depth only
+
+Each row is rnnlab's train step as `scripts/benchmark.py`'s bare-step column times it (one
+`train_step` per call under `jax.pmap` on one device, Adam, the adding task, H=256, B=16, L=2 by
+default, `model.block=plain` for every cell so that rows differ only in the recurrence), with:
+tokens/s (median of `--repeats`), the compiled step's memory from XLA's memory analysis
+(arguments + outputs not aliased to them + temporaries: the step's peak as XLA plans it) and its
+compile seconds. Classic cells run `sequential` with their hand-written backward; each linear
+cell runs both time scans, each with the linear recurrence's hand-written backward
+(`custom_vjp`) and with autodiff through the scan. Results also go to `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import jax  # noqa: E402
+
+from benchmark import RnnlabStep, compose, load  # noqa: E402  (scripts/benchmark.py)
+from rnnlab.cells import LinearCell, cell_names, get_cell  # noqa: E402
+
+MIB = 2**20
+
+
+def variants(cell: str, scans: list[str], recurrences: list[str]) -> list[tuple[str, str]]:
+    """(time_scan, recurrence) pairs a cell runs: classic cells only (sequential, custom_vjp)."""
+    if not issubclass(get_cell(cell), LinearCell):
+        return [("sequential", "custom_vjp")]
+    return [(s, r) for s in scans for r in recurrences]
+
+
+def step_bytes(compiled) -> float:
+    """Arguments + outputs not aliased to donated arguments + temporaries, from XLA's memory analysis."""
+    m = compiled.memory_analysis()
+    return float(m.argument_size_in_bytes + max(0, m.output_size_in_bytes - m.alias_size_in_bytes)
+                 + m.temp_size_in_bytes)
+
+
+def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
+    extra = [f"model.time_scan={time_scan}", f"model.recurrence={recurrence}", "model.block=plain",
+             "device.num_devices=1"]
+    config = compose(cell, args.hidden, args.batch, t, args.layers, extra)
+    step = RnnlabStep(config)
+    seconds_per_step = []
+    step(1)  # warm up
+    for _ in range(args.repeats):
+        n, t0 = 1, time.perf_counter()
+        step(n)
+        elapsed = time.perf_counter() - t0
+        while elapsed < args.min_seconds:  # enough steps for a stable time
+            n = max(n + 1, int(n * args.min_seconds / max(elapsed, 1e-3)))
+            t0 = time.perf_counter()
+            step(n)
+            elapsed = time.perf_counter() - t0
+        seconds_per_step.append(elapsed / n)
+    median = statistics.median(seconds_per_step)
+    return {"cell": cell, "time_scan": time_scan, "recurrence": recurrence, "T": t, "H": args.hidden,
+            "B": args.batch, "L": args.layers, "ms_per_step": 1e3 * median,
+            "tokens_per_sec": args.batch * t / median, "memory_mib": step_bytes(step.p_step) / MIB,
+            "compile_seconds": step.compile_seconds, "load": load()}
+
+
+def compile_rows(args) -> list[dict]:
+    rows = []
+    print(f"compile seconds against num_layers (H={args.hidden}, B={args.batch}, T={args.seq_lens[0]}, layer scan)")
+    for cell in args.cells:
+        for layers in args.compile_layers:
+            config = compose(cell, args.hidden, args.batch, args.seq_lens[0], layers, ["device.num_devices=1"])
+            seconds = RnnlabStep(config).compile_seconds
+            rows.append({"cell": cell, "L": layers, "compile_seconds": seconds})
+            print(f"  {cell:8} L={layers:<3} compile {seconds:6.2f} s", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cells", nargs="+", default=list(cell_names()), choices=cell_names())
+    parser.add_argument("--seq-lens", nargs="+", type=int, default=[256, 1024, 4096])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--scans", nargs="+", default=["sequential", "associative"])
+    parser.add_argument("--recurrences", nargs="+", default=["custom_vjp", "autodiff"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--min-seconds", type=float, default=0.5)
+    parser.add_argument("--compile-layers", nargs="*", type=int, help="only compile seconds for these num_layers")
+    parser.add_argument("--json", type=Path, default=Path("bench_scans.json"))
+    args = parser.parse_args(argv)
+    device = jax.devices()[0]
+    print(f"{device.platform}:{device.device_kind} | jax {jax.__version__} | load {load():.2f}")
+    if args.compile_layers:
+        result = {"compile": compile_rows(args)}
+    else:
+        rows = []
+        print(f"{'cell':8} {'scan':11} {'backward':10} {'T':>5} {'ms/step':>9} {'tokens/s':>10} "
+              f"{'memory MiB':>10} {'compile s':>9}")
+        for t in args.seq_lens:
+            for cell in args.cells:
+                for time_scan, recurrence in variants(cell, args.scans, args.recurrences):
+                    row = time_row(cell, time_scan, recurrence, args, t)
+                    rows.append(row)
+                    print(f"{cell:8} {time_scan:11} {recurrence:10} {t:5d} {row['ms_per_step']:9.2f} "
+                          f"{row['tokens_per_sec']:10,.0f} {row['memory_mib']:10.1f} {row['compile_seconds']:9.2f}"
+                          f" | load {row['load']:.2f}", flush=True)
+        result = {"rows": rows}
+    result["device"] = f"{device.platform}:{device.device_kind}"
+    args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
