@@ -152,7 +152,8 @@ def main(cfg: DictConfig) -> float:
         from rnnlab.trainer import NonFiniteLossError, train_and_evaluate  # JAX loads once the config is good
 
         try:
-            results = train_and_evaluate(config, HydraConfig.get().runtime.output_dir)
+            hydra_config = HydraConfig.get()
+            results = train_and_evaluate(config, hydra_config.runtime.output_dir, list(hydra_config.overrides.task))
         except NonFiniteLossError as e:
             fail(str(e), EXIT_DIVERGED)
     except (ConfigError, CheckpointError) as e:

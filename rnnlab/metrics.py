@@ -60,16 +60,26 @@ class MetricWriter:
         file_writer.add_summary(experiment)
         file_writer.add_summary(session_start)
 
+    def write_layout(self, layout: Mapping[str, Any]) -> None:
+        """The custom-scalars layout (`rnnlab.board.scalars_layout`)."""
+        self._writer.add_custom_scalars(dict(layout))
+
+    def write_text(self, texts: Mapping[str, str], step: int = 0) -> None:
+        for tag, text in texts.items():
+            self._writer.add_text(tag, text, global_step=step)
+
     def flush(self) -> None:
         self._writer.flush()
 
-    def close(self) -> None:
-        """Idempotent: the trainer's failure paths may close it again."""
+    def close(self, status: str | None = None) -> None:
+        """End the HParams session with the run's `status` (results.json's; None: unknown), and close.
+        Idempotent: the trainer's failure paths may close it again."""
         if self._closed:
             return
         self._closed = True
-        _, _, session_end = hparams_summaries({}, {})
-        self._writer._get_file_writer().add_summary(session_end)
+        from rnnlab.board import session_end
+
+        self._writer._get_file_writer().add_summary(session_end(status or "unknown"))
         self._writer.close()
 
 

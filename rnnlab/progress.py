@@ -42,7 +42,9 @@ def wants_bar(stream: IO[str] | None = None) -> bool:
 
 
 class ProgressBar:
-    """`update(step, loss, tokens_per_sec)` at each log line; `close()` when the loop ends (idempotent).
+    """`phase(text)` before a long wait (the bar appears at the run's first step, naming the phase, e.g.
+    compiling); `update(step, loss, tokens_per_sec)` at each log line (phase: training); `close()`
+    when the loop ends (idempotent).
 
     enabled: None decides with `wants_bar()`; False makes every call a no-op.
     console: where to draw (tests pass a Console writing to a buffer).
@@ -59,7 +61,7 @@ class ProgressBar:
 
     def _start(self) -> None:
         self._progress = Progress(
-            TextColumn("[bold]step"),
+            TextColumn("[bold]{task.fields[phase]:<9}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("loss {task.fields[loss]}"),
@@ -71,7 +73,7 @@ class ProgressBar:
             transient=False,
         )
         self._task = self._progress.add_task("train", total=self.total_steps, completed=self.start_step,
-                                             loss="-", rate="-")
+                                             loss="-", rate="-", phase="starting")
         originals = (sys.stdout, sys.stderr)
         self._progress.start()  # from here sys.stdout/stderr print above the bar
         # Console log handlers keep the stream they were configured with: point them at the
@@ -81,13 +83,20 @@ class ProgressBar:
                 redirected = sys.stdout if handler.stream is originals[0] else sys.stderr
                 self._swapped.append((handler, handler.setStream(redirected)))
 
+    def phase(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is None:
+            self._start()
+        self._progress.update(self._task, phase=text)
+
     def update(self, step: int, loss: float, tokens_per_sec: float | None) -> None:
         if not self.enabled:
             return
         if self._progress is None:
             self._start()
         rate = f"{tokens_per_sec:,.0f}" if tokens_per_sec else "-"
-        self._progress.update(self._task, completed=step, loss=f"{loss:.4f}", rate=rate)
+        self._progress.update(self._task, completed=step, loss=f"{loss:.4g}", rate=rate, phase="training")
 
     def close(self) -> None:
         if self._progress is None:

@@ -23,6 +23,9 @@ from rnnlab.steps import train_metric_names
 log = logging.getLogger("rnnlab.trainer")
 
 
+EXAMPLES = 4  # eval examples `write_examples` shows at each evaluation
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss or gradient norm became NaN or Inf at `step`."""
 
@@ -40,7 +43,8 @@ def _is_finite(row: dict[str, float]) -> bool:
 
 
 def _format_metrics(task: tasks.Task, metrics: dict[str, float]) -> str:
-    return "".join(f" | {name} {metrics[name]:.4f}" for name in task.metric_names)
+    """The task's metrics for a console line, but one that equals the loss (the adding task's mse)."""
+    return "".join(f" | {name} {metrics[name]:.4g}" for name in task.metric_names if metrics[name] != metrics["loss"])
 
 
 @dataclasses.dataclass
@@ -72,6 +76,7 @@ class Run:
     last_eval_by_len: dict[int, dict[str, float]] = dataclasses.field(default_factory=dict)
     final_step: int = 0
     skipped_updates: int = 0
+    predict: Callable | None = None  # the jitted forward pass of `write_examples`
 
     def host_metrics(self, dispatches: list[tuple[int, jax.Array]]) -> list[dict[str, float]]:
         """(n, stacked metrics) of dispatches (replicated layout) -> one dict of host floats per
@@ -117,15 +122,16 @@ class Run:
         }
 
     def log_train(self, step: int, rows: list[dict[str, float]], window: tuple[float, int]) -> None:
-        """Write the window's mean metrics and throughput to TensorBoard and the console."""
-        metrics = self.check_finite(step, rows)
+        """Write the window's mean metrics and throughput to TensorBoard and the console; `lr`, a
+        function of the step, is the value at `step`, not a mean."""
+        metrics = self.check_finite(step, rows) | {"lr": rows[-1]["lr"]}
         self.skipped_updates += int(metrics.get("skipped_updates", 0))
         perf = self.throughput(self.clock.elapsed() - window[0], self.timed_steps - window[1])
         self.writer.write_scalars(step, {f"train/{k}": v for k, v in metrics.items()} | perf)
         self.last_train = metrics
         rate = f" | {perf['perf/tokens_per_sec']:,.0f} tokens/s" if perf else " | compiling step excluded"
-        rate += f" | mfu {100 * perf['perf/mfu']:.3g}%" if perf.get("perf/mfu") else ""
-        log.info("step %d/%d | loss %.4f%s | grad_norm %.3f | lr %.2e%s", step, self.config.steps, metrics["loss"],
+        rate += f" | mfu {perf['perf/mfu']:.3g}" if perf.get("perf/mfu") else ""
+        log.info("step %d/%d | loss %.4g%s | grad_norm %.4g | lr %.4g%s", step, self.config.steps, metrics["loss"],
                  _format_metrics(self.task, metrics), metrics["grad_norm"], metrics["lr"], rate)
         if self.progress is not None:
             self.progress.update(step, metrics["loss"], perf.get("perf/tokens_per_sec"))
@@ -137,16 +143,32 @@ class Run:
                       for p_eval_step, batches in [self.evaluator, *self.length_evaluators.values()]]
         means = [mean_rows([{k: float(v) for k, v in m.items()} for m in rows]) for rows in self.dp.to_host(dispatched)]
         metrics = means[0]
-        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()})
+        self.writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()}
+                                  | {"eval/baseline_loss": self.task.baseline_loss})
         self.last_eval = metrics
-        log.info("eval step %d | loss %.4f%s | baseline loss %.4f", step, metrics["loss"],
+        log.info("eval step %d | loss %.4g%s | baseline loss %.4g", step, metrics["loss"],
                  _format_metrics(self.task, metrics), self.task.baseline_loss)
         by_len = dict(zip(lengths, means[1:])) | {self.task.seq_len: metrics}
         self.last_eval_by_len = {n: by_len[n] for n in self.config.data.eval_seq_lens}
         for n, at_n in self.last_eval_by_len.items():
             self.writer.write_scalars(step, {eval_tag(k, n): v for k, v in at_n.items()})
-            log.info("eval step %d at length %d | loss %.4f%s | baseline loss %.4f", step, n, at_n["loss"],
+            log.info("eval step %d at length %d | loss %.4g%s | baseline loss %.4g", step, n, at_n["loss"],
                      _format_metrics(self.task, at_n), self.task.with_seq_len(n).baseline_loss)
+        self.write_examples(step, state)
+
+    def write_examples(self, step: int, state: Any) -> None:
+        """The first eval examples with the model's predictions, as a text summary (tasks whose targets
+        are a symbol per step: `Task.describe_examples`); the forward pass compiles on first use."""
+        batch = self.dp.to_host(self.evaluator[1][0])
+        inputs, targets = np.asarray(batch.inputs[:EXAMPLES]), np.asarray(batch.targets[:EXAMPLES])
+        if targets.ndim != 2:
+            return
+        if self.predict is None:
+            self.predict = jax.jit(lambda params, x, apply_fn=state.apply_fn: apply_fn({"params": params}, x))
+        outputs = np.asarray(self.predict(self.dp.to_host(state.params), inputs))
+        text = self.task.describe_examples(inputs, targets, outputs)
+        if text:
+            self.writer.write_text({"eval/examples": text}, step)
 
     def results(self, status: str, step: int, num_params: int, wall_start: float,
                 error: str | None = None) -> dict[str, Any]:

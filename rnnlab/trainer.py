@@ -13,13 +13,14 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from rnnlab import config as cfg
 from rnnlab import cpu, flops, memory, parallel, tasks
+from rnnlab.board import describe_run
 from rnnlab.checkpoint import CheckpointError, Checkpointer, CheckpointSaveError
 from rnnlab.loop import MAX_STEPS_IN_FLIGHT, train_loop
 from rnnlab.metrics import MetricWriter, hparam_metric_tags, write_results
@@ -52,8 +53,9 @@ class _Setup:
     device_note: str = ""  # how the device count was chosen, for the start line
 
 
-def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any]:
+def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Train `config` in run dir `workdir` (resuming there if it holds checkpoints); returns results.json's dict.
+    `overrides`: the command line's `key=value`s, which TensorBoard shows and registers as HParams.
 
     Raises ConfigError for bad input (before anything compiles: a held run dir, a refused
     resume change, a step that cannot fit in memory included), CheckpointError if no
@@ -76,7 +78,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str) -> dict[str, Any
         try:
             setup = _set_up(config, workdir, devices, checkpointer)
             state, start_step = _restore_or_init(setup)
-            run = _make_run(setup, start_step)
+            run = _make_run(setup, start_step, overrides)
             cleanup.callback(run.writer.close)
             num_params = count_params(state.params)
             state = run.dp.replicate(state)
@@ -184,8 +186,8 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
                       "strategy": config.device.strategy, "steps_per_dispatch": k}, sort_keys=True)
     cache_file = flops.cache_path().with_name("device_count.json")
     count, timings, cached = cpu.choose_device_count(key, candidates, seconds_per_step, cache_file)
-    measured = ", ".join(f"{n}: {1e3 * t:.1f} ms/step" for n, t in sorted(timings.items()))
-    return devices[:count], f" (device.num_devices=null: fastest of {measured}{', cached' if cached else ''})"
+    measured = ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in sorted(timings.items()))
+    return devices[:count], f" (device.num_devices=null: fastest of {measured} ms/step{'; cached' if cached else ''})"
 
 
 def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
@@ -214,7 +216,7 @@ def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
     return state, int(state.step)
 
 
-def _make_run(setup: _Setup, start_step: int) -> Run:
+def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = ()) -> Run:
     """The compiled dispatch and eval step, the eval batches, the writers and the throughput figures."""
     config, task, devices = setup.config, setup.task, setup.devices
     per_device = config.batch_size // len(devices)
@@ -239,7 +241,8 @@ def _make_run(setup: _Setup, start_step: int) -> Run:
         profiler=StepProfiler(config.profile, setup.workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
     )
-    run.writer.write_hparams(cfg.flatten(config), hparam_metric_tags(task.metric_names, config.data.eval_seq_lens))
+    describe_run(run.writer, cfg.to_dict(config), cfg.flatten(config), overrides, hparam_metric_tags(
+        task.metric_names, config.data.eval_seq_lens), task.metric_names, config.data.eval_seq_lens)
     return run
 
 
@@ -249,6 +252,7 @@ def _compile_and_check_memory(run: Run, state: Any) -> None:
     compiles it (an ahead-of-time executable there rejects the processes' global arrays)."""
     if jax.process_count() > 1:
         return
+    run.progress.phase("compiling")
     started = time.perf_counter()
     stats = run.dispatch.compile(state)
     run.compile_seconds = time.perf_counter() - started
@@ -263,13 +267,11 @@ def _check_step_fits(stats: Any, devices: list, config: cfg.Config) -> None:
 
 def _log_start(run: Run, num_params: int, device_note: str) -> None:
     task, devices = run.task, run.devices
-    log.info(
-        "%s task (T=%d, baseline loss %.4f) | %d params | %d %s device(s)%s x batch %d | %d tokens/step | "
-        "%.3g FLOPs/step | up to %d steps per dispatch",
-        task.name, task.seq_len, task.baseline_loss, num_params, len(devices), devices[0].platform,
-        device_note, run.config.batch_size // len(devices), run.tokens_per_step, run.flops_per_step,
-        run.steps_per_dispatch,
-    )
+    log.info("%s task (T=%d, baseline loss %.4f) | %s, %s params | %s tokens/step, %.3g FLOPs/step", task.name,
+             task.seq_len, task.baseline_loss, run.config.model.cell, f"{num_params:,}", f"{run.tokens_per_step:,}",
+             run.flops_per_step)
+    log.info("%d %s device(s) x batch %d, up to %d steps per dispatch%s", len(devices), devices[0].platform,
+             run.config.batch_size // len(devices), run.steps_per_dispatch, device_note)
 
 
 def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int, wall_start: float) -> dict[str, Any]:
@@ -301,14 +303,14 @@ def _train(run: Run, setup: _Setup, state: Any, start_step: int, num_params: int
         except OSError as e:
             log.error("cannot write %s (%s)", setup.workdir / "results.json", e.strerror or e)
     try:
-        run.writer.close()
+        run.writer.close(status)
     except OSError as e:
         log.error("cannot write the TensorBoard events (%s)", e.strerror or e)
     if error is not None:
         raise error
-    metrics = "".join(f" | {k} {v:.4g}" for k, v in results["eval_metrics"].items() if v is not None)
+    metrics = "".join(f" | {k} {v:.4g}" for k, v in results["eval_metrics"].items() if v not in (None, results["eval_loss"]))
     log.info(
-        "%s at step %d | eval loss %.4f (baseline %.4f)%s | %s tokens/s | compile %.1fs | wall %.1fs",
+        "%s at step %d | eval loss %.4g (baseline %.4g)%s | %s tokens/s | compile %.1fs | wall %.1fs",
         status, results["step"], results["eval_loss"] or float("nan"), run.task.baseline_loss, metrics,
         f"{results['tokens_per_sec']:,.0f}" if results["tokens_per_sec"] else "n/a",
         results["compile_seconds"] or 0.0, results["wall_seconds"],

@@ -8,6 +8,7 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from rnnlab.tasks.registry import Task, register_task
@@ -49,6 +50,12 @@ class CopyTask(Task):
         )
         targets = jnp.concatenate([blanks(self.seq_len + self.copy_len), symbols])
         return jax.nn.one_hot(tokens, self.input_dim), targets
+
+    def symbol_names(self):
+        return {self.BLANK: "_", self.DELIMITER: ">"}
+
+    def scored(self, targets):
+        return np.arange(targets.shape[1])[None, :] >= targets.shape[1] - self.copy_len  # the recalled symbols
 
     def loss_and_metrics(self, outputs, targets):
         """outputs: f32[B, T+20, 10] logits, targets: int32[B, T+20] -> (cross-entropy, {recall accuracy})."""

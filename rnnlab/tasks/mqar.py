@@ -79,6 +79,9 @@ class MQARTask(Task):
         targets = jnp.full((self.seq_len,), IGNORE).at[queries].set(values)
         return jax.nn.one_hot(tokens, self.input_dim) * (steps < length)[:, None], targets
 
+    def symbol_names(self):
+        return {self.vocab_size: "_"}
+
     def loss_and_metrics(self, outputs, targets):
         """outputs: f32[B, T, V] logits, targets: int32[B, T] -> (cross-entropy at the queries, {accuracy there})."""
         loss, accuracy = masked_cross_entropy(outputs, targets)

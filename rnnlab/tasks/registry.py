@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from rnnlab.registry import Registry
@@ -104,6 +105,28 @@ class Task:
 
         The first metric is the task's headline (results.json's `eval_metric`)."""
         raise NotImplementedError
+
+    def symbol_names(self) -> dict[int, str]:
+        """Input symbols with a name of their own in `describe_examples` (noise, delimiter, ...)."""
+        return {}
+
+    def scored(self, targets: np.ndarray) -> np.ndarray:
+        """bool[B, T]: the steps the loss scores (IGNORE marks the others)."""
+        return targets != IGNORE
+
+    def describe_examples(self, inputs: np.ndarray, targets: np.ndarray, outputs: np.ndarray) -> str | None:
+        """A few eval examples as a Markdown table for TensorBoard's text tab: the input's symbols, then the
+        target and the prediction at each scored step. None for a task whose targets are not symbols per step."""
+        if targets.ndim != 2 or not np.issubdtype(targets.dtype, np.integer):
+            return None
+        names = self.symbol_names()
+        rows = ["| input | target | predicted | right |", "|---|---|---|---|"]
+        for x, y, out, mask in zip(inputs, targets, outputs.argmax(-1), self.scored(targets)):
+            symbols = " ".join(names.get(int(i), str(int(i))) if row.any() else "." for i, row in zip(x.argmax(-1), x))
+            right = int((out[mask] == y[mask]).sum())
+            rows.append(f"| `{symbols}` | `{' '.join(map(str, y[mask]))}` | `{' '.join(map(str, out[mask]))}` "
+                        f"| {right}/{int(mask.sum())} |")
+        return "\n".join(rows)
 
     @functools.cached_property
     def metric_names(self) -> tuple[str, ...]:

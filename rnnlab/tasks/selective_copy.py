@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entropy, per_position_uniform, register_task
 
@@ -82,6 +83,9 @@ class SelectiveCopyTask(Task):
         recall = length + 1 + jnp.arange(self.num_tokens)
         targets = jnp.full((self.total_len,), IGNORE).at[recall].set(symbols)
         return jax.nn.one_hot(tokens, self.input_dim) * valid[:, None], targets
+
+    def symbol_names(self):
+        return {self.noise: "_", self.delimiter: ">"}
 
     def loss_and_metrics(self, outputs, targets):
         """outputs: f32[B, T+1+K, V] logits, targets: int32[B, T+1+K] -> (cross-entropy over the
