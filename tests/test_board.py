@@ -49,6 +49,7 @@ def test_hparams_session_holds_the_subset_the_metrics_and_the_status(board_run):
         "data.task", "data.seq_len"}
     assert start.session_start_info.hparams["model.cell"].string_value == "gru"
     experiment = plugin_data(events, "hparams", "_hparams_/experiment", plugin_data_pb2.HParamsPluginData)
+    assert [h.name for h in experiment.experiment.hparam_infos][:2] == ["model.cell", "optimizer.warmup_steps"]
     assert [m.name.tag for m in experiment.experiment.metric_infos] == [
         "eval/loss", "eval/mse", "train/loss", "perf/tokens_per_sec"]
     end = plugin_data(events, "hparams", "_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData)

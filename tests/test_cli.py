@@ -45,6 +45,7 @@ def test_four_simulated_devices(tmp_path):
         (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: gru, lru, lstm, mingru, minlstm, rglru, rnn"),
         (["hidden_dim=-3"], "'hidden_dim': got -3, must be > 0"),
         (["data.seq_len=abc"], "'data.seq_len': got 'abc', expected an integer"),
+        (["model=lstm", "model.time_scan=associative"], "'model.time_scan': got 'associative', allowed for cell 'lstm': sequential"),
     ],
 )
 def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, key):

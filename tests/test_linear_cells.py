@@ -202,3 +202,22 @@ def test_cell_options_are_config_keys_that_round_trip():
     assert flatten(config)["model.r_min"] == 0.25 and "model.options" not in flatten(config)
     assert config.model.make_cell().r_min == 0.25
     assert replace(config, **{"model.r_max": 0.5}).model.make_cell().r_max == 0.5
+
+
+@pytest.mark.parametrize("block", ["plain", "residual"])
+@pytest.mark.parametrize("cell", LINEAR_CELLS)
+def test_sequential_equals_associative_for_the_whole_model(cell, block):
+    """Values and gradients of a two-layer model (layer scan, both blocks) under both time scans."""
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(B, T, 2)), jnp.float32)
+    results = []
+    for time_scan in ("sequential", "associative"):
+        config = compose_config([f"model={cell}", f"model.block={block}", f"model.time_scan={time_scan}",
+                                 f"hidden_dim={H}", "num_layers=2"]).model
+        model = build_model(config, output_dim=3, platform="cpu")
+        params = jax.jit(model.init)(jax.random.key(0), x)
+        loss = lambda p: jnp.sum(jnp.sin(model.apply(p, x)))  # noqa: E731
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    (loss_seq, grads_seq), (loss_assoc, grads_assoc) = results
+    np.testing.assert_allclose(loss_assoc, loss_seq, rtol=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(grads_assoc), jax.tree_util.tree_leaves(grads_seq)):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
