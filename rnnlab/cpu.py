@@ -130,8 +130,8 @@ def choose_device_count(key: str, candidates: Sequence[int], seconds_per_step: C
         if problem is None:
             return cached["num_devices"], {n: float(cached["seconds_per_step"][str(n)]) for n in sorted(candidates)}, True
         log.warning("%s: the cached device count is not used (%s): measuring again", cache_file, problem)
-    log.info("measuring which device count trains this model shape fastest (%s: a few seconds, once; "
-             "cached in %s)", ", ".join(map(str, sorted(candidates))), cache_file)
+    log.info("timing this model shape on %s devices to pick the fastest, once (cached in %s)",
+             " and ".join(map(str, sorted(candidates))), cache_file.name)
     timings = {n: seconds_per_step(n) for n in sorted(candidates)}
     best = min(candidates)
     for n in sorted(candidates):

@@ -345,7 +345,7 @@ def peak_flops(device: Any, kind: str = "float32", measure: bool = True) -> floa
             bad.append(k)
     if not measure:
         return None
-    log.info("measuring this device's peak matmul FLOP/s for MFU (about a second, once; cached in %s)", path)
+    log.info("measuring this device's peak matmul FLOP/s for MFU: about a second, once (cached: %s)", path.name)
     peak = measure_matmul_flops(QUICK_N, kinds[-1], device, repeats=5, min_seconds=0.05)
     try:
         for k in dict.fromkeys([kinds[-1], *bad]):

@@ -184,17 +184,15 @@ MLP_EXPANSION = 2  # the gated MLP's hidden width, in multiples of H
 
 
 class GatedMLP(nn.Module):
-    """x -> (gelu(x W_gate) * (x W_up)) W_down, hidden width `MLP_EXPANSION` * H: the MLP of Griffin's
-    and the LRU paper's residual blocks (no biases)."""
+    """x -> (gelu(x W_gate) * (x W_up)) W_down, width `MLP_EXPANSION` * H, no biases (Griffin's MLP)."""
 
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        width, hidden = x.shape[-1], MLP_EXPANSION * x.shape[-1]
         dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
-        gate, up = dense(hidden, name="gate")(x), dense(hidden, name="up")(x)
-        return dense(width, name="down")(nn.gelu(gate) * up)
+        gate, up = (dense(MLP_EXPANSION * x.shape[-1], name=name)(x) for name in ("gate", "up"))
+        return dense(x.shape[-1], name="down")(nn.gelu(gate) * up)
 
 
 class ResidualBlock(nn.Module):

@@ -187,7 +187,7 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
     cache_file = flops.cache_path().with_name("device_count.json")
     count, timings, cached = cpu.choose_device_count(key, candidates, seconds_per_step, cache_file)
     measured = ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in sorted(timings.items()))
-    return devices[:count], f" (device.num_devices=null: fastest of {measured} ms/step{'; cached' if cached else ''})"
+    return devices[:count], f" (device.num_devices=null: fastest of {measured} ms{'; cached' if cached else ''})"
 
 
 def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
@@ -270,7 +270,7 @@ def _log_start(run: Run, num_params: int, device_note: str) -> None:
     log.info("%s task (T=%d, baseline loss %.4f) | %s, %s params | %s tokens/step, %.3g FLOPs/step", task.name,
              task.seq_len, task.baseline_loss, run.config.model.cell, f"{num_params:,}", f"{run.tokens_per_step:,}",
              run.flops_per_step)
-    log.info("%d %s device(s) x batch %d, up to %d steps per dispatch%s", len(devices), devices[0].platform,
+    log.info("%d %s device(s) x batch %d | %d steps/dispatch%s", len(devices), devices[0].platform,
              run.config.batch_size // len(devices), run.steps_per_dispatch, device_note)
 
 

@@ -68,3 +68,15 @@ def test_multirun_writes_one_readable_run_per_job(tmp_path):
         events = EventAccumulator(str(job / "tensorboard"))
         events.Reload()
         assert [e.step for e in events.Scalars("train/loss")] == [2, 4]
+
+
+def test_console_is_quiet_short_and_printed_once(tmp_path):
+    """No JAX backend INFO line, lines start with the time and fit 120 columns, `--info` once."""
+    proc = run_train(["debug=fast", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+    assert not [line for line in lines if "Unable to initialize backend" in line or "xla_bridge" in line]
+    logged = [line for line in lines if line[:2].isdigit() and line[2] == ":"]  # "14:03:27 message"
+    assert any(" step 4/4 | loss " in line for line in logged) and all(len(line) <= 120 for line in logged)
+    info = run_train(["--info"], cwd=tmp_path).stdout
+    assert info.count("Installed Hydra Plugins") == 1 and info.count("Config search path") == 1

@@ -163,7 +163,7 @@ BAD_INPUTS = [
     (["model=transformer"], "'model'"),
     (["model.cell=transformer"], "'model.cell'"),
     (["model.init=xavier"], "'model.init'"),
-    (["data=parity"], "'data'"),
+    (["data=sorting"], "'data'"),
     (["data=copy", "data.seq_len=5"], "'data.seq_len'"),
     (["optimizer=rmsprop"], "'optimizer'"),
     (["optimizer.lr=-0.1"], "'optimizer.lr'"),
