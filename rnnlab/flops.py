@@ -12,7 +12,7 @@ cost, forward:
                                              into layer 0's W_xh (rnnlab.models.folds_projection)
     per layer          R                     the cell's step, inside the time scan (0 for a cell
                                              linear in its state)
-                       + the cell's output   `LinearCell.output_flops` (the LRU's Re(h C): 4 H^2)
+                       + the cell's output   `Cell.output_flops` (the LRU's Re(h C): 4 H^2)
                        + 12 * H^2            `model.block=residual`: the gated MLP (3 [H, 2H] matmuls)
     layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
@@ -100,7 +100,7 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int)
     h, gh, layers = model.hidden_dim, cell.num_gates * model.hidden_dim, model.num_layers
     matmul = 2 * h * gh  # one [H, G*H] input weight applied to one token
     # Per layer besides its input term: the cell's recurrent matmul, its output map, the residual MLP.
-    per_layer = cell.recurrent_flops() + getattr(cell, "output_flops", lambda: 0)()
+    per_layer = cell.recurrent_flops() + cell.output_flops()
     if model.block == "residual":
         per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
     readout = 2 * h * output_dim

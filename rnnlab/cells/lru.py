@@ -61,9 +61,6 @@ class LRU(LinearCell):
     def input_init(self):
         return nn.initializers.variance_scaling(0.5, "fan_in", "normal")
 
-    def state_dtype(self, dtype):
-        return jnp.complex64
-
     def eigenvalues(self, params) -> jax.Array:
         """lambda: complex64[H]."""
         nu, theta = params["nu"].astype(jnp.float32), params["theta"].astype(jnp.float32)

@@ -166,6 +166,10 @@ class Cell:
         """A one-line message naming the `model.<key>` of a cell option out of range, or None."""
         return None
 
+    def output_flops(self) -> int:
+        """Matmul FLOPs per token of what the layer computes from the states (`LinearCell.output`)."""
+        return 0
+
     def recurrent_flops(self) -> int:
         """Matmul FLOPs of one `step` for one example (h_{t-1} W_hh: 2 H G H)."""
         return 2 * self.hidden_dim * self.num_gates * self.hidden_dim
@@ -187,8 +191,8 @@ class LinearCell(Cell):
     as a sequential or an associative scan (`model.time_scan`) and has its backward written by hand.
 
     Subclasses define `coefficients` (a, b for all time steps at once) and may define `output`
-    (what the layer emits from the states; default the states). `step` is derived from them, for
-    reference and tests; the layer never scans it.
+    (what the layer emits from the states; default the states). They have no `step`: the layer
+    never runs one step at a time.
     """
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
@@ -203,22 +207,6 @@ class LinearCell(Cell):
     def output(self, params: Params, hs: jax.Array, x: jax.Array) -> jax.Array:
         """hs: [T, B, H] states -> the layer's output [T, B, H] (real)."""
         return hs
-
-    def output_flops(self) -> int:
-        """Matmul FLOPs of `output` per token."""
-        return 0
-
-    def initial_carry(self, like):
-        return jnp.zeros_like(like, shape=(like.shape[0], self.hidden_dim), dtype=self.state_dtype(like.dtype))
-
-    def state_dtype(self, dtype: Any) -> Any:
-        return dtype
-
-    def step(self, params, h, u, x=None):
-        """One step from `coefficients` (u: [B, G*H], x: [B, I]); a reference for tests."""
-        a, b = self.coefficients(params, u[None], None if x is None else x[None])
-        h = a[0] * h + b[0]
-        return h, self.output(params, h[None], None if x is None else x[None])[0], None
 
     @property
     def has_backward(self) -> bool:
