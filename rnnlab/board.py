@@ -1,6 +1,7 @@
 """What TensorBoard shows of a run beyond its scalars: the HParams entry (the keys that tell the runs of
 a sweep apart, the metrics to compare them by, the run's status), a custom-scalars layout that puts
 train and eval curves on one chart, and the config and command-line overrides as text.
+Histograms are `rnnlab.param_stats`'.
 
 Scalars themselves are `rnnlab.metrics.MetricWriter`'s; this module decides what to register.
 """
@@ -41,9 +42,10 @@ def run_hparams(flat: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, 
     return {k: flat[k] for k in keys if k in flat}
 
 
-def scalars_layout(metric_names: Sequence[str], eval_seq_lens: Sequence[int]) -> dict:
+def scalars_layout(metric_names: Sequence[str], eval_seq_lens: Sequence[int], layer_norms: bool = False) -> dict:
     """The custom-scalars layout: loss (train, eval and the task's baseline) on one chart, each task
-    metric train against eval, and each at every further eval length. Tags are anchored regexes."""
+    metric train against eval, each at every further eval length, and with `layer_norms` (histograms
+    on) every layer's gradient norm on one chart. Tags are anchored regexes."""
     def tags(*names: str) -> list[str]:
         return [f"^{name}$" for name in names]
 
@@ -52,6 +54,8 @@ def scalars_layout(metric_names: Sequence[str], eval_seq_lens: Sequence[int]) ->
         charts[f"{name}: train, eval"] = ["Multiline", tags(f"train/{name}", f"eval/{name}")]
     for name in ("loss", *metric_names) if eval_seq_lens else ():
         charts[f"{name} by eval length"] = ["Multiline", tags(*(f"eval/{name}@{n}" for n in eval_seq_lens))]
+    if layer_norms:
+        charts["gradient norm by layer"] = ["Multiline", ["^grad_norm/"]]
     return {"rnnlab": charts}
 
 
@@ -73,8 +77,9 @@ def session_end(status: str) -> Summary:
 
 
 def describe_run(writer: Any, config: Mapping[str, Any], flat: Mapping[str, Any], overrides: Sequence[str],
-                 metric_tags: Sequence[str], metric_names: Sequence[str], eval_seq_lens: Sequence[int]) -> None:
+                 metric_tags: Sequence[str], metric_names: Sequence[str], eval_seq_lens: Sequence[int],
+                 layer_norms: bool = False) -> None:
     """Register a run with TensorBoard (`writer`: a `rnnlab.metrics.MetricWriter`): HParams, layout, text."""
     writer.write_hparams(run_hparams(flat, overrides), tuple(metric_tags))
-    writer.write_layout(scalars_layout(metric_names, eval_seq_lens))
+    writer.write_layout(scalars_layout(metric_names, eval_seq_lens, layer_norms))
     writer.write_text(config_text(config, overrides))

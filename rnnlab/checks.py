@@ -46,6 +46,7 @@ def validate(c: Config) -> None:
                               f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
     _positive("profile.start_step", c.profile.start_step)
     _non_negative("profile.num_steps", c.profile.num_steps)
+    _non_negative("log.histograms_every", c.log.histograms_every)
 
 
 def _validate_model(c: Config) -> None:

@@ -126,6 +126,11 @@ class ProfileConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogConfig:
+    histograms_every: int  # steps between parameter/gradient histograms and per-layer gradient norms; 0 = off
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     imports: tuple[str, ...]  # modules imported first: extensions that register cells and tasks
     seed: int
@@ -144,6 +149,7 @@ class Config:
     distributed: DistributedConfig
     checkpoint: CheckpointConfig
     profile: ProfileConfig
+    log: LogConfig
 
 
 def from_omegaconf(cfg: Any) -> Config:

@@ -2,7 +2,7 @@
 save and stop.
 
 Each dispatch runs up to `run.steps_per_dispatch` steps and ends at the next step where
-the loop has work (`next_stop`), so logging, eval, checkpoints, SIGTERM and the profiler
+the loop has work (`next_stop`), so logging, eval, histograms, checkpoints, SIGTERM and the profiler
 window see the same step numbers whatever the dispatch size. The host reads the metrics
 of finished dispatches while later ones run, with at most MAX_STEPS_IN_FLIGHT steps queued.
 """
@@ -71,6 +71,8 @@ def train_loop(run: Run, state: Any, start_step: int) -> tuple[str, Any]:
     config = run.config
     queue = MetricQueue(run)
     step, num_processes = start_step, jax.process_count()
+    if config.log.histograms_every and start_step == 0:
+        run.write_param_stats(0, state)  # the initialisation
     with PreemptionGuard() as guard:
         while step < config.steps:
             # The first dispatch of this process compiles: one step, timed apart.
@@ -107,7 +109,7 @@ def _dispatch(run: Run, queue: MetricQueue, state: Any, step: int, n: int) -> tu
 
 
 def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, stopping: bool) -> None:
-    """The work due after `step`: a log line, an eval, a checkpoint."""
+    """The work due after `step`: a log line, an eval, histograms, a checkpoint."""
     config, is_last = run.config, step == run.config.steps
     if step % config.log_every == 0 or is_last or stopping:
         queue.close_window(step)
@@ -115,6 +117,10 @@ def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, sto
         queue.read()  # queued steps count as training, not eval
         with run.clock.paused():
             run.evaluate(step, state)
+    if config.log.histograms_every and step % config.log.histograms_every == 0:
+        queue.read()
+        with run.clock.paused():
+            run.write_param_stats(step, state)
     if config.checkpoint.enabled and (is_last or stopping or run.checkpointer.should_save(step)):
         queue.read()
         if queue.rows:
@@ -126,9 +132,11 @@ def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, sto
 
 def next_stop(config: cfg.Config, step: int, num_processes: int = 1) -> int:
     """The first step after `step` where the loop has work between dispatches: a log line, an
-    eval, a checkpoint, the profiler window's edges, the last step, and with several
+    eval, histograms, a checkpoint, the profiler window's edges, the last step, and with several
     processes their stop check (every MAX_STEPS_IN_FLIGHT steps, `stop_requested`)."""
     periods = [config.log_every, config.eval_every] + ([MAX_STEPS_IN_FLIGHT] if num_processes > 1 else [])
+    if config.log.histograms_every > 0:
+        periods.append(config.log.histograms_every)
     if config.checkpoint.enabled and config.checkpoint.every > 0:
         periods.append(config.checkpoint.every)
     stops = [(step // p + 1) * p for p in periods] + [config.steps]

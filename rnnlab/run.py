@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import flops, parallel, tasks
+from rnnlab import flops, param_stats, parallel, tasks
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.metrics import MetricWriter, ThroughputClock, eval_tag, finite_or_none
 from rnnlab.profiling import StepProfiler
@@ -77,6 +77,7 @@ class Run:
     final_step: int = 0
     skipped_updates: int = 0
     predict: Callable | None = None  # the jitted forward pass of `write_examples`
+    gradient_probe: Callable | None = None  # steps.make_gradient_probe, with log.histograms_every > 0
 
     def host_metrics(self, dispatches: list[tuple[int, jax.Array]]) -> list[dict[str, float]]:
         """(n, stacked metrics) of dispatches (replicated layout) -> one dict of host floats per
@@ -169,6 +170,14 @@ class Run:
         text = self.task.describe_examples(inputs, targets, outputs)
         if text:
             self.writer.write_text({"eval/examples": text}, step)
+
+    def write_param_stats(self, step: int, state: Any) -> None:
+        """Histograms of the parameters at `step` and of the gradients the next update applies (before
+        clipping), and each layer's gradient norm (`rnnlab.param_stats`). Every process computes the
+        gradients (a collective); the probe compiles on its first call."""
+        params, grads = self.dp.to_host((state.params, self.gradient_probe(state)))
+        self.writer.write_scalars(step, param_stats.layer_norms(grads))
+        self.writer.write_histograms(step, param_stats.histograms(params, grads))
 
     def results(self, status: str, step: int, num_params: int, wall_start: float,
                 error: str | None = None) -> dict[str, Any]:

@@ -80,17 +80,7 @@ def train_step(
     report `skipped` = 1.
     """
 
-    # Dropout masks from (seed, step, device index): a resumed run draws the same ones.
-    dropout_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), state.step)
-    dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(parallel.AXIS))
-
-    def loss_fn(params):
-        outputs = state.apply_fn({"params": params}, batch.inputs, train=True, rngs={"dropout": dropout_key})
-        return task.loss_and_metrics(outputs, batch.targets)
-
-    (loss, task_metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    grads = jax.lax.pmean(grads, parallel.AXIS)
-    metrics = jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
+    metrics, grads = loss_and_gradients(state, batch, task, seed)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step + 1)
     new_state = state.apply_gradients(grads=grads)
@@ -100,6 +90,22 @@ def train_step(
         new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_state, keep_old)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
+
+
+def loss_and_gradients(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task,
+                       seed: int = 0) -> tuple[dict[str, jax.Array], Any]:
+    """({"loss", task metrics}, gradients of the loss in the parameters) of the update from
+    `state.step`, averaged over `AXIS`: what `train_step` applies, before clipping."""
+    # Dropout masks from (seed, step, device index): a resumed run draws the same ones.
+    dropout_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), state.step)
+    dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(parallel.AXIS))
+
+    def loss_fn(params):
+        outputs = state.apply_fn({"params": params}, batch.inputs, train=True, rngs={"dropout": dropout_key})
+        return task.loss_and_metrics(outputs, batch.targets)
+
+    (loss, task_metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS), jax.lax.pmean(grads, parallel.AXIS)
 
 
 def eval_step(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task) -> dict[str, jax.Array]:
@@ -146,6 +152,28 @@ def default_steps_per_dispatch(platform: str) -> int:
     return 8 if platform == "cpu" else 1
 
 
+def _train_batches(config: cfg.Config, task: tasks.Task, per_device: int) -> Callable:
+    """`state -> Batch`: this device's share of the batch of the update from `state.step`, drawn on the device."""
+    stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
+
+    def next_batch(state):
+        first = jax.lax.axis_index(parallel.AXIS) * per_device
+        return tasks.sample_batch(task, stream, state.step, first, per_device, config.data.min_seq_len)
+
+    return next_batch
+
+
+def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel) -> Callable:
+    """`probe(state) -> gradients` (replicated layout): the gradients the next update will apply,
+    before clipping, on its own batch; for `log.histograms_every`. Compiles on its first call."""
+    next_batch = _train_batches(config, task, per_device)
+
+    def gradients(state):
+        return loss_and_gradients(state, next_batch(state), task, config.seed)[1]
+
+    return dp.map(gradients, (parallel.REPLICATED,), parallel.REPLICATED)
+
+
 def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule, dp: parallel.DataParallel,
                   per_device: int, max_steps: int = 1) -> Callable:
     """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
@@ -163,15 +191,13 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
     `dispatch.compile(state)` compiles it ahead of the first call (which then runs that
     executable) and returns XLA's memory analysis of it, so that a step that cannot fit is
     refused before it runs."""
-    stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     skip = config.on_nonfinite == "skip"
     update = functools.partial(train_step, task=task, schedule=schedule, skip_nonfinite=skip, seed=config.seed)
     names = train_metric_names(task, skip)
+    next_batch = _train_batches(config, task, per_device)
 
     def one_step(state):
-        first = jax.lax.axis_index(parallel.AXIS) * per_device
-        batch = tasks.sample_batch(task, stream, state.step, first, per_device, config.data.min_seq_len)
-        state, metrics = update(state, batch)
+        state, metrics = update(state, next_batch(state))
         return state, jnp.stack([metrics[k] for k in names])
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)

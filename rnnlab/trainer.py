@@ -30,7 +30,7 @@ from rnnlab.progress import ProgressBar
 from rnnlab.run import NonFiniteLossError, Run
 from rnnlab.rundir import DEVICES_USED_KEY, DISPATCH_USED_KEY, RunDirLock, resume_changes, task_widths
 from rnnlab.steps import (PARAMS_STREAM, create_train_state, default_steps_per_dispatch, make_dispatch, make_evaluator,
-                          make_optimizer)
+                          make_gradient_probe, make_optimizer)
 
 log = logging.getLogger(__name__)
 
@@ -240,9 +240,11 @@ def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = ()) -> 
         peak_flops=flops.peak_flops(local_device, flops.model_peak_kind(config.model.dtype)),  # cached, else ~1 s
         profiler=StepProfiler(config.profile, setup.workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),
+        gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
     )
     describe_run(run.writer, cfg.to_dict(config), cfg.flatten(config), overrides, hparam_metric_tags(
-        task.metric_names, config.data.eval_seq_lens), task.metric_names, config.data.eval_seq_lens)
+        task.metric_names, config.data.eval_seq_lens), task.metric_names, config.data.eval_seq_lens,
+        layer_norms=config.log.histograms_every > 0)
     return run
 
 

@@ -27,6 +27,9 @@ def test_layout_puts_train_eval_and_baseline_on_one_chart():
     assert layout["loss: train, eval, baseline"] == ["Multiline", ["^train/loss$", "^eval/loss$", "^eval/baseline_loss$"]]
     assert layout["accuracy: train, eval"] == ["Multiline", ["^train/accuracy$", "^eval/accuracy$"]]
     assert layout["accuracy by eval length"] == ["Multiline", ["^eval/accuracy@16$", "^eval/accuracy@32$"]]
+    assert "gradient norm by layer" not in layout
+    with_norms = board.scalars_layout(("accuracy",), (), layer_norms=True)["rnnlab"]
+    assert with_norms["gradient norm by layer"] == ["Multiline", ["^grad_norm/"]]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ def test_help_says_what_rnnlab_does_and_fits_100_columns(help_text):
     assert "is powered by Hydra" not in help_text  # Hydra's default help is replaced
     assert max(len(line) for line in help_text.splitlines()) <= 100
     keys = ["seed", "steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches",
-            "on_nonfinite", "imports", "checkpoint.*", "profile.*", "distributed.*"]
+            "on_nonfinite", "imports", "checkpoint.*", "profile.*", "log.*", "distributed.*"]
     listed = [line.split()[0] for line in section(help_text, "Top-level keys")]
     assert all(key in listed for key in keys), listed
 

@@ -140,7 +140,8 @@ def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
 def test_dispatches_end_at_every_step_the_loop_has_work_and_cover_every_step(k):
     from rnnlab.loop import MAX_STEPS_IN_FLIGHT, next_stop as _next_stop
 
-    cases = [("steps=100", "log_every=7", "eval_every=30", "checkpoint.every=25", "profile.start_step=40", "profile.num_steps=5"),
+    cases = [("steps=100", "log_every=7", "eval_every=30", "checkpoint.every=25", "profile.start_step=40", "profile.num_steps=5",
+              "log.histograms_every=11"),
              ("steps=50", "log_every=50", "eval_every=50", "checkpoint.enabled=false")]
     for overrides in cases:
         config = tiny_config(*overrides)
@@ -153,7 +154,8 @@ def test_dispatches_end_at_every_step_the_loop_has_work_and_cover_every_step(k):
                 ck = config.checkpoint
                 must = {s for s in range(start + 1, config.steps + 1)
                         if s % config.log_every == 0 or s % config.eval_every == 0 or s == config.steps
-                        or (ck.enabled and s % ck.every == 0) or (processes > 1 and s % MAX_STEPS_IN_FLIGHT == 0)}
+                        or (ck.enabled and s % ck.every == 0) or (processes > 1 and s % MAX_STEPS_IN_FLIGHT == 0)
+                        or (config.log.histograms_every and s % config.log.histograms_every == 0)}
                 if config.profile.num_steps:
                     must |= {config.profile.start_step - 1, config.profile.start_step + config.profile.num_steps - 1}
                 assert must <= set(ends), (overrides, processes, start, sorted(must - set(ends)))
