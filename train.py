@@ -59,7 +59,42 @@ def config_groups_help(width: int = 100) -> str:
         for group in sorted(loader.list_groups("")) if group != "hydra")
 
 
+def swept_keys(args: list[str]) -> list[str]:
+    """The keys the command line's sweep overrides vary (`model=rnn,gru`, `x=range(1,4)`, `x=choice(..)`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
+    except HydraException:  # Hydra reports a malformed override itself
+        return []
+    return [o.key_or_group for o in overrides if o.is_sweep_override()]
+
+
+def varied_overrides(hydra_node: DictConfig) -> list[str]:
+    """The overrides of a sweep job that its sweep varies (`model=gru`, not the `steps=600` every job
+    shares): keys the command line sweeps (SWEPT_KEYS_ENV, which the launchers' worker processes
+    inherit) or hydra.sweeper.params lists. Outside a sweep, or if none is found, all of them."""
+    overrides = list(hydra_node.overrides.task)
+    if hydra_node.mode != RunMode.MULTIRUN:
+        return overrides
+    swept = {*filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")),
+             *(OmegaConf.select(hydra_node, "sweeper.params") or {})}
+    varied = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+    return varied or overrides
+
+
+def job_dirname(*, _root_: DictConfig) -> str:
+    """A sweep job's dir name after its number (conf/config.yaml): its `varied_overrides`, sorted and
+    joined as Hydra's override_dirname (`hidden_dim=64,model=gru`), so that TensorBoard's run names stay
+    short; the overrides every job shares are in the sweep dir's multirun.yaml."""
+    naming = _root_.hydra.job.config.override_dirname
+    lines = sorted(o for o in varied_overrides(_root_.hydra) if o.split("=", 1)[0].lstrip("+~") not in naming.exclude_keys)
+    return naming.item_sep.join(lines).replace("=", naming.kv_sep)
+
+
+SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"
 OmegaConf.register_new_resolver("rnnlab_config_groups", config_groups_help, replace=True)
+OmegaConf.register_new_resolver("rnnlab_job_dirname", job_dirname, replace=True)
 
 
 def fail(message: str, code: int) -> None:
@@ -153,7 +188,8 @@ def main(cfg: DictConfig) -> float:
 
         try:
             hydra_config = HydraConfig.get()
-            results = train_and_evaluate(config, hydra_config.runtime.output_dir, list(hydra_config.overrides.task))
+            results = train_and_evaluate(config, hydra_config.runtime.output_dir, list(hydra_config.overrides.task),
+                                         varied_overrides(hydra_config))
         except NonFiniteLossError as e:
             fail(str(e), EXIT_DIVERGED)
     except (ConfigError, CheckpointError) as e:
@@ -190,6 +226,7 @@ def hydra_error_line(e: Exception) -> str:
 
 
 def run_cli() -> None:
+    os.environ[SWEPT_KEYS_ENV] = ",".join(swept_keys(sys.argv[1:]))
     try:
         main()
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)

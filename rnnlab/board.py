@@ -19,6 +19,7 @@ from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 HPARAM_KEYS = ("model.cell", "hidden_dim", "num_layers", "optimizer.lr", "batch_size", "data.task", "data.seq_len")
 # A config-group override (`model=lstm`) names the group; the flat key that holds its choice:
 GROUP_KEYS = {"model": "model.cell", "data": "data.task", "optimizer": "optimizer.name", "device": "device.platform"}
+DIFFERS_TRUE = bytes([7 << 3 | 0, 1])  # HParamInfo.differs = true: field 7, varint, value 1
 # results.json's status -> the HParams plugin's session status (its Status filter): a preempted run will go on.
 SESSION_STATUS = {"completed": "STATUS_SUCCESS", "preempted": "STATUS_RUNNING", "diverged": "STATUS_FAILURE",
                   "failed": "STATUS_FAILURE", "aborted": "STATUS_FAILURE"}
@@ -68,6 +69,20 @@ def config_text(config: Mapping[str, Any], overrides: Sequence[str]) -> dict[str
     }
 
 
+def mark_differing(experiment: Summary, keys: Sequence[str]) -> Summary:
+    """Set `differs` on the HParamInfo of each of `keys` in tensorboardX's experiment summary. TensorBoard
+    lists hparams that differ first and shows the first few (else alphabetically: `batch_size` before the
+    swept `model.cell`). tensorboardX's copy of the proto lacks the field (7 in TensorBoard's api.proto),
+    so it is added as its wire bytes, which protobuf keeps as an unknown field."""
+    value = experiment.value[0]
+    data = HParamsPluginData.FromString(value.metadata.plugin_data.content)
+    for info in data.experiment.hparam_infos:
+        if info.name in keys:
+            info.MergeFromString(DIFFERS_TRUE)
+    value.metadata.plugin_data.content = data.SerializeToString()
+    return experiment
+
+
 def session_end(status: str) -> Summary:
     """The HParams plugin's session-end summary with the run's status (`SESSION_STATUS`)."""
     info = SessionEndInfo(status=Status.Value(SESSION_STATUS.get(status, "STATUS_UNKNOWN")))
@@ -77,9 +92,10 @@ def session_end(status: str) -> Summary:
 
 
 def describe_run(writer: Any, config: Mapping[str, Any], flat: Mapping[str, Any], overrides: Sequence[str],
-                 metric_tags: Sequence[str], metric_names: Sequence[str], eval_seq_lens: Sequence[int],
+                 varied: Sequence[str], metric_tags: Sequence[str], metric_names: Sequence[str], eval_seq_lens: Sequence[int],
                  layer_norms: bool = False) -> None:
-    """Register a run with TensorBoard (`writer`: a `rnnlab.metrics.MetricWriter`): HParams, layout, text."""
-    writer.write_hparams(run_hparams(flat, overrides), tuple(metric_tags))
+    """Register a run with TensorBoard (`writer`: a `rnnlab.metrics.MetricWriter`): HParams (the keys
+    `varied` sets, marked as differing between runs, then `HPARAM_KEYS`), layout, text (all `overrides`)."""
+    writer.write_hparams(run_hparams(flat, varied), tuple(metric_tags), differs=overridden_keys(varied, flat))
     writer.write_layout(scalars_layout(metric_names, eval_seq_lens, layer_norms))
     writer.write_text(config_text(config, overrides))

@@ -7,7 +7,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from tensorboardX import SummaryWriter
 from tensorboardX.proto.summary_pb2 import Summary
@@ -54,12 +54,15 @@ class MetricWriter:
             else:
                 self._writer.add_scalar(tag, float(value), global_step=step)
 
-    def write_hparams(self, hparams: Mapping[str, Any], metric_tags: tuple[str, ...]) -> None:
-        """Register the run with the HParams plugin, its metrics the scalars `metric_tags`."""
+    def write_hparams(self, hparams: Mapping[str, Any], metric_tags: tuple[str, ...], differs: Sequence[str] = ()) -> None:
+        """Register the run with the HParams plugin, its metrics the scalars `metric_tags`; the keys
+        `differs` are marked as those that tell the runs apart (TensorBoard shows them first)."""
+        from rnnlab.board import mark_differing
+
         values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
         experiment, session_start, _ = hparams_summaries(values, {tag: 0.0 for tag in metric_tags})
         file_writer = self._writer._get_file_writer()
-        file_writer.add_summary(experiment)
+        file_writer.add_summary(mark_differing(experiment, differs))
         file_writer.add_summary(session_start)
 
     def write_layout(self, layout: Mapping[str, Any]) -> None:

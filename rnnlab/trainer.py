@@ -53,9 +53,11 @@ class _Setup:
     device_note: str = ""  # how the device count was chosen, for the start line
 
 
-def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Sequence[str] = ()) -> dict[str, Any]:
+def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Sequence[str] = (),
+                       varied: Sequence[str] | None = None) -> dict[str, Any]:
     """Train `config` in run dir `workdir` (resuming there if it holds checkpoints); returns results.json's dict.
-    `overrides`: the command line's `key=value`s, which TensorBoard shows and registers as HParams.
+    `overrides`: the command line's `key=value`s, which TensorBoard shows as text; `varied`: those that tell
+    this job apart from the others of its sweep (None: all of them), registered first as HParams.
 
     Raises ConfigError for bad input (before anything compiles: a held run dir, a refused
     resume change, a step that cannot fit in memory included), CheckpointError if no
@@ -78,7 +80,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
         try:
             setup = _set_up(config, workdir, devices, checkpointer)
             state, start_step = _restore_or_init(setup)
-            run = _make_run(setup, start_step, overrides)
+            run = _make_run(setup, start_step, overrides, overrides if varied is None else varied)
             cleanup.callback(run.writer.close)
             num_params = count_params(state.params)
             state = run.dp.replicate(state)
@@ -216,7 +218,7 @@ def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
     return state, int(state.step)
 
 
-def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = ()) -> Run:
+def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = (), varied: Sequence[str] = ()) -> Run:
     """The compiled dispatch and eval step, the eval batches, the writers and the throughput figures."""
     config, task, devices = setup.config, setup.task, setup.devices
     per_device = config.batch_size // len(devices)
@@ -242,7 +244,7 @@ def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = ()) -> 
         progress=ProgressBar(config.steps, start_step),
         gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
     )
-    describe_run(run.writer, cfg.to_dict(config), cfg.flatten(config), overrides, hparam_metric_tags(
+    describe_run(run.writer, cfg.to_dict(config), cfg.flatten(config), overrides, varied, hparam_metric_tags(
         task.metric_names, config.data.eval_seq_lens), task.metric_names, config.data.eval_seq_lens,
         layer_norms=config.log.histograms_every > 0)
     return run

@@ -36,7 +36,8 @@ def test_layout_puts_train_eval_and_baseline_on_one_chart():
 def board_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("board")
     config = tiny_config("model=gru", "optimizer.warmup_steps=4")
-    results = train_and_evaluate(config, workdir, overrides=["model=gru", "optimizer.warmup_steps=4"])
+    results = train_and_evaluate(config, workdir, overrides=["model=gru", "optimizer.warmup_steps=4", "steps=6"],
+                                 varied=["model=gru", "optimizer.warmup_steps=4"])
     return config, workdir, results, EventAccumulator(str(workdir / "tensorboard")).Reload()
 
 
@@ -53,6 +54,9 @@ def test_hparams_session_holds_the_subset_the_metrics_and_the_status(board_run):
     assert start.session_start_info.hparams["model.cell"].string_value == "gru"
     experiment = plugin_data(events, "hparams", "_hparams_/experiment", plugin_data_pb2.HParamsPluginData)
     assert [h.name for h in experiment.experiment.hparam_infos][:2] == ["model.cell", "optimizer.warmup_steps"]
+    # The varied keys are marked as differing (TensorBoard lists them first); steps, set but not varied, is text only.
+    assert [h.name for h in experiment.experiment.hparam_infos if h.differs] == ["model.cell", "optimizer.warmup_steps"]
+    assert "steps" not in start.session_start_info.hparams
     assert [m.name.tag for m in experiment.experiment.metric_infos] == [
         "eval/loss", "eval/mse", "train/loss", "perf/tokens_per_sec"]
     end = plugin_data(events, "hparams", "_hparams_/session_end_info", plugin_data_pb2.HParamsPluginData)
@@ -72,7 +76,7 @@ def test_config_and_overrides_are_text(board_run):
     texts = {tag: events.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in events.Tags()["tensors"]
              if tag.endswith("text_summary")}
     assert "cell: gru" in texts["config/text_summary"] and "seq_len: 6" in texts["config/text_summary"]
-    assert texts["overrides/text_summary"].strip() == "model=gru optimizer.warmup_steps=4"
+    assert texts["overrides/text_summary"].strip() == "model=gru optimizer.warmup_steps=4 steps=6"  # all of them
 
 
 def test_lr_is_the_schedule_at_the_logged_step_not_a_window_mean(board_run):

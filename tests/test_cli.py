@@ -60,10 +60,8 @@ def test_multirun_writes_one_readable_run_per_job(tmp_path):
                       "data.seq_len=6", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in tmp_path.iterdir() if (p / "results.json").exists())
-    # Job dirs are named by their number and overrides, so TensorBoard's run list is readable.
-    assert len(jobs) == 2
-    assert jobs[0].name.startswith("0_") and "hidden_dim=8," in jobs[0].name
-    assert jobs[1].name.startswith("1_") and "hidden_dim=16," in jobs[1].name
+    # Job dirs are named by their number and the swept overrides alone, so TensorBoard's run names are short.
+    assert [job.name for job in jobs] == ["0_hidden_dim=8", "1_hidden_dim=16"]
     for job in jobs:
         events = EventAccumulator(str(job / "tensorboard"))
         events.Reload()

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -45,7 +46,7 @@ def test_basic_multirun_2x2_completes_every_job(grid_sweep):
     jobs = jobs_of(grid_sweep)
     assert len(jobs) == 4
     assert [j.name.split("_", 1)[0] for j in jobs] == ["0", "1", "2", "3"]
-    assert "hidden_dim=16" in jobs[2].name and "optimizer.lr=0.001" in jobs[2].name  # readable run names
+    assert jobs[2].name == "2_hidden_dim=16,optimizer.lr=0.001"  # the swept keys, not the shared SWEEP_TINY ones
     for job in jobs:
         results = results_of(job)
         assert results["status"] == "completed" and results["step"] == 4
@@ -65,6 +66,11 @@ def test_hparams_events_are_readable_per_job(grid_sweep):
         assert {metadata.EXPERIMENT_TAG, metadata.SESSION_START_INFO_TAG} <= set(content)
         experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
         assert {m.name.tag for m in experiment.metric_infos} >= {"eval/loss", "perf/tokens_per_sec"}
+        # The swept keys are registered as differing (TensorBoard lists and ticks them first); the keys every
+        # job shares (SWEEP_TINY's steps, log_every, ...) are not registered at all.
+        differs = {h.name: h.differs for h in experiment.hparam_infos}
+        assert differs == {"hidden_dim": True, "optimizer.lr": True, "model.cell": False, "num_layers": False,
+                           "batch_size": False, "data.task": False, "data.seq_len": False}
         start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
         hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
         seen.add((hparams["hidden_dim"], hparams["optimizer.lr"]))
@@ -141,6 +147,7 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     assert "Joblib.Parallel(n_jobs=2,backend=loky" in proc.stdout + proc.stderr
     jobs = jobs_of(tmp_path)
     assert len(jobs) == 2 and all(results_of(j)["status"] == "completed" for j in jobs)
+    assert [j.name for j in jobs] == ["0_hidden_dim=8", "1_hidden_dim=16"]  # worker processes name them alike
     hydra_cfg = yaml.safe_load((jobs[0] / ".hydra" / "hydra.yaml").read_text())["hydra"]
     assert hydra_cfg["job"]["env_set"]["RNNLAB_PIN_CPU"] == "1"  # one core per job
     assert all("pinned to CPU core" in (job / "train.log").read_text() for job in jobs)
@@ -154,6 +161,8 @@ def test_optuna_study_of_three_trials(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = jobs_of(tmp_path)
     assert len(jobs) == 3
+    # Named by the keys the study varies: its search space (hydra.sweeper.params) and the command line's choice().
+    assert all(re.fullmatch(r"\d_hidden_dim=(8|16),optimizer.lr=[0-9.e-]+", j.name) for j in jobs), [j.name for j in jobs]
     losses = [results_of(j)["eval_loss"] for j in jobs]
     best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
     assert best["best_value"] == pytest.approx(min(losses), rel=1e-6)
