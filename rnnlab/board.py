@@ -1,7 +1,7 @@
 """What TensorBoard shows of a run beyond its scalars: the HParams entry (the keys that tell the runs of
 a sweep apart, the metrics to compare them by, the run's status), a custom-scalars layout that puts
 train and eval curves on one chart, and the config and command-line overrides as text.
-Histograms are `rnnlab.param_stats`'.
+Histograms and per-layer gradient norms come from `rnnlab.param_stats`.
 
 Scalars themselves are `rnnlab.metrics.MetricWriter`'s; this module decides what to register.
 """
