@@ -12,6 +12,7 @@ dir could not be written mid-run (disk full, read-only: the last checkpoint is i
 130 aborted by a second SIGINT. No failure leaves the process waiting on a stuck thread.
 """
 
+import argparse
 import functools
 import logging
 import os
@@ -61,11 +62,14 @@ def config_groups_help(width: int = 100) -> str:
 
 def swept_keys(args: list[str]) -> list[str]:
     """The keys the command line's sweep overrides vary (`model=rnn,gru`, `x=range(1,4)`, `x=choice(..)`)."""
+    from hydra._internal.utils import get_args_parser  # hydra.main's own: it knows `-cd DIR`, `--cfg job`
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    parser = get_args_parser()
+    parser.exit_on_error = False
     try:
-        overrides = OverridesParser.create().parse_overrides([a for a in args if not a.startswith("-")])
-    except HydraException:  # Hydra reports a malformed override itself
+        overrides = OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
+    except (HydraException, argparse.ArgumentError):  # Hydra reports a malformed command line itself
         return []
     return [o.key_or_group for o in overrides if o.is_sweep_override()]
 
@@ -78,7 +82,7 @@ def varied_overrides(hydra_node: DictConfig) -> list[str]:
     if hydra_node.mode != RunMode.MULTIRUN:
         return overrides
     swept = {*filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")),
-             *(OmegaConf.select(hydra_node, "sweeper.params") or {})}
+             *(key.lstrip("+~") for key in OmegaConf.select(hydra_node, "sweeper.params") or {})}
     varied = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in swept]
     return varied or overrides
 

@@ -119,6 +119,8 @@ def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, sto
             run.evaluate(step, state)
     if config.log.histograms_every and step % config.log.histograms_every == 0:
         queue.read()
+        if queue.rows:
+            run.check_finite(step, queue.rows)  # a diverged run stops as one, not in the histogram
         with run.clock.paused():
             run.write_param_stats(step, state)
     if config.checkpoint.enabled and (is_last or stopping or run.checkpointer.should_save(step)):

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
 from tensorboardX import SummaryWriter
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries
@@ -69,11 +70,24 @@ class MetricWriter:
         """The custom-scalars layout (`rnnlab.board.scalars_layout`)."""
         self._writer.add_custom_scalars(dict(layout))
 
-    def write_histograms(self, step: int, values: Mapping[str, Any]) -> None:
+    def write_histograms(self, step: int, values: Mapping[str, Any]) -> int:
         """HISTOGRAM_BINS equal bins from each array's min to its max (tensorboardX's default,
-        TensorFlow's exponential buckets, takes ~7 KB per histogram)."""
+        TensorFlow's exponential buckets, takes ~7 KB per histogram). NaN and Inf entries are left
+        out, as a diverging run has them; returns how many were."""
+        left_out = 0
         for tag, array in values.items():
-            self._writer.add_histogram(tag, array, global_step=step, bins=HISTOGRAM_BINS)
+            flat = np.asarray(array, np.float64).ravel()
+            finite = flat[np.isfinite(flat)]
+            left_out += flat.size - finite.size
+            if not finite.size:
+                continue
+            try:
+                self._writer.add_histogram(tag, finite, global_step=step, bins=HISTOGRAM_BINS)
+            except ValueError:  # equal values too large for HISTOGRAM_BINS bins of finite width: one bin
+                low, high = float(finite.min()), float(finite.max())
+                self._writer.add_histogram_raw(tag, low, high, finite.size, float(finite.sum()), float(finite @ finite),
+                                               [low, high], [0, finite.size], global_step=step)
+        return left_out
 
     def write_text(self, texts: Mapping[str, str], step: int = 0) -> None:
         for tag, text in texts.items():

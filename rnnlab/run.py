@@ -177,7 +177,9 @@ class Run:
         gradients (a collective); the probe compiles on its first call."""
         params, grads = self.dp.to_host((state.params, self.gradient_probe(state)))
         self.writer.write_scalars(step, param_stats.layer_norms(grads))
-        self.writer.write_histograms(step, param_stats.histograms(params, grads))
+        left_out = self.writer.write_histograms(step, param_stats.histograms(params, grads))
+        if left_out:
+            log.warning("histograms at step %d: %d NaN or Inf values left out", step, left_out)
 
     def results(self, status: str, step: int, num_params: int, wall_start: float,
                 error: str | None = None) -> dict[str, Any]:

@@ -5,7 +5,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train
 from rnnlab import cpu
 
 pytestmark = pytest.mark.slow
@@ -56,11 +56,12 @@ def test_bad_input_exits_2_with_one_line_and_no_traceback(tmp_path, args, key):
 
 
 def test_multirun_writes_one_readable_run_per_job(tmp_path):
-    proc = run_train(["-m", "hidden_dim=8,16", "steps=4", "log_every=2", "eval_every=4", "batch_size=8",
+    proc = run_train(["-m", "--config-name", "config", "hidden_dim=8,16", "steps=4", "log_every=2", "eval_every=4", "batch_size=8",
                       "data.seq_len=6", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in tmp_path.iterdir() if (p / "results.json").exists())
-    # Job dirs are named by their number and the swept overrides alone, so TensorBoard's run names are short.
+    # Job dirs are named by their number and the swept overrides alone, so TensorBoard's run names are
+    # short; flags with a value of their own (--config-name config) are not overrides.
     assert [job.name for job in jobs] == ["0_hidden_dim=8", "1_hidden_dim=16"]
     for job in jobs:
         events = EventAccumulator(str(job / "tensorboard"))
@@ -78,3 +79,19 @@ def test_console_is_quiet_short_and_printed_once(tmp_path):
     assert any(" step 4/4 | loss " in line for line in logged) and all(len(line) <= 120 for line in logged)
     info = run_train(["--info"], cwd=tmp_path).stdout
     assert info.count("Installed Hydra Plugins") == 1 and info.count("Config search path") == 1
+
+
+def test_sweeper_params_with_a_plus_prefix_count_as_varied(monkeypatch):
+    import importlib.util
+
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    node = OmegaConf.create({"mode": RunMode.MULTIRUN, "sweeper": {"params": {"+model.r_min": "0.5,0.9"}},
+                             "overrides": {"task": ["steps=600", "+model.r_min=0.5", "hidden_dim=8"]}})
+    monkeypatch.setenv(train.SWEPT_KEYS_ENV, "hidden_dim")
+    assert train.varied_overrides(node) == ["+model.r_min=0.5", "hidden_dim=8"]
+    assert train.swept_keys(["-m", "-cd", "conf", "hidden_dim=8,16", "model=rnn,gru", "steps=3"]) == ["hidden_dim", "model"]

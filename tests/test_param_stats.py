@@ -96,3 +96,22 @@ def test_histograms_are_off_by_default_and_their_steps_are_dispatch_ends(tmp_pat
 def test_a_negative_histogram_period_is_refused():
     with pytest.raises(ConfigError, match="log.histograms_every"):
         compose_config(["log.histograms_every=-1"])
+
+
+def test_a_diverging_run_stops_as_diverged_and_skip_mode_still_writes_its_histograms(tmp_path):
+    from rnnlab.trainer import NonFiniteLossError
+
+    # Step 1 makes the parameters huge, step 2 overflows; the histogram step 3 is not a log step.
+    diverging = ("steps=12", "log_every=12", "eval_every=12", "optimizer.lr=1e30", "optimizer.warmup_steps=0",
+                 "log.histograms_every=3")
+    with pytest.raises(NonFiniteLossError) as info:
+        train_and_evaluate(tiny_config(*diverging), tmp_path / "stop")
+    assert info.value.step == 2
+
+    results = train_and_evaluate(tiny_config(*diverging, "on_nonfinite=skip"), tmp_path / "skip")
+    assert results["status"] == "completed" and results["skipped_updates"] == 11
+    events = EventAccumulator(str(tmp_path / "skip" / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    kernel = saved_state(tmp_path / "skip", 12)["params"]["readout"]["kernel"]  # unchanged since step 1
+    hist = {e.step: e.histogram_value for e in events.Histograms("params/readout/kernel")}
+    assert sorted(hist) == [0, 3, 6, 9, 12]
+    assert hist[12].num == kernel.size and (hist[12].min, hist[12].max) == (float(kernel.min()), float(kernel.max()))
