@@ -29,6 +29,7 @@ from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
@@ -44,6 +45,7 @@ EXIT_DIVERGED = 3
 EXIT_CANNOT_WRITE = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_ABORTED = 130
+SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"  # run_cli -> the sweep's jobs (launcher workers inherit it): the swept keys
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 
 
@@ -82,8 +84,8 @@ def varied_overrides(hydra_node: DictConfig) -> list[str]:
     if hydra_node.mode != RunMode.MULTIRUN:
         return overrides
     swept = {*filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")),
-             *(key.lstrip("+~") for key in OmegaConf.select(hydra_node, "sweeper.params") or {})}
-    varied = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in swept]
+             *map(override_key, OmegaConf.select(hydra_node, "sweeper.params") or {})}
+    varied = [o for o in overrides if override_key(o) in swept]
     return varied or overrides
 
 
@@ -92,11 +94,10 @@ def job_dirname(*, _root_: DictConfig) -> str:
     joined as Hydra's override_dirname (`hidden_dim=64,model=gru`), so that TensorBoard's run names stay
     short; the overrides every job shares are in the sweep dir's multirun.yaml."""
     naming = _root_.hydra.job.config.override_dirname
-    lines = sorted(o for o in varied_overrides(_root_.hydra) if o.split("=", 1)[0].lstrip("+~") not in naming.exclude_keys)
+    lines = sorted(o for o in varied_overrides(_root_.hydra) if override_key(o) not in naming.exclude_keys)
     return naming.item_sep.join(lines).replace("=", naming.kv_sep)
 
 
-SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"
 OmegaConf.register_new_resolver("rnnlab_config_groups", config_groups_help, replace=True)
 OmegaConf.register_new_resolver("rnnlab_job_dirname", job_dirname, replace=True)
 

@@ -25,13 +25,17 @@ SESSION_STATUS = {"completed": "STATUS_SUCCESS", "preempted": "STATUS_RUNNING", 
                   "failed": "STATUS_FAILURE", "aborted": "STATUS_FAILURE"}
 
 
+def override_key(override: str) -> str:
+    """The key an override sets: `+model.r_min=0.5` -> model.r_min, `~x` -> x, `model=lstm` -> model."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def overridden_keys(overrides: Sequence[str], flat: Mapping[str, Any]) -> list[str]:
     """The flat config keys a run's command-line overrides set (`hidden_dim=32`, `+model.r_min=0.5`,
     `model=lstm` -> model.cell); Hydra's own keys and presets that are not config keys are left out."""
     keys = []
     for override in overrides:
-        key = override.split("=", 1)[0].lstrip("+~")
-        key = GROUP_KEYS.get(key, key)
+        key = GROUP_KEYS.get(override_key(override), override_key(override))
         if key in flat and key not in keys:
             keys.append(key)
     return keys

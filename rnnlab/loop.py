@@ -55,6 +55,13 @@ class MetricQueue:
             self.rows.extend(self.run.host_metrics(self.in_flight[:take]))
             del self.in_flight[:take]
 
+    def read_finite(self, step: int) -> None:
+        """Read every queued step and stop a diverged run (`Run.check_finite`) before its state is
+        used: histograms, checkpoints."""
+        self.read()
+        if self.rows:
+            self.run.check_finite(step, self.rows)
+
     def open_window(self) -> None:
         self.window = (self.run.clock.elapsed(), self.run.timed_steps)
 
@@ -118,15 +125,11 @@ def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, sto
         with run.clock.paused():
             run.evaluate(step, state)
     if config.log.histograms_every and step % config.log.histograms_every == 0:
-        queue.read()
-        if queue.rows:
-            run.check_finite(step, queue.rows)  # a diverged run stops as one, not in the histogram
+        queue.read_finite(step)  # a diverged run stops as diverged, not in the histogram
         with run.clock.paused():
             run.write_param_stats(step, state)
     if config.checkpoint.enabled and (is_last or stopping or run.checkpointer.should_save(step)):
-        queue.read()
-        if queue.rows:
-            run.check_finite(step, queue.rows)  # never checkpoint a diverged state
+        queue.read_finite(step)  # never checkpoint a diverged state
         with run.clock.paused():
             run.writer.flush()  # events up to a checkpoint are on disk before the checkpoint is
             run.checkpointer.save(step, run.dp.to_host(state), force=True)

@@ -15,6 +15,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries
 
 from rnnlab import files
+from rnnlab.board import mark_differing, session_end
 
 
 HISTOGRAM_BINS = 64
@@ -58,8 +59,6 @@ class MetricWriter:
     def write_hparams(self, hparams: Mapping[str, Any], metric_tags: tuple[str, ...], differs: Sequence[str] = ()) -> None:
         """Register the run with the HParams plugin, its metrics the scalars `metric_tags`; the keys
         `differs` are marked as those that tell the runs apart (TensorBoard shows them first)."""
-        from rnnlab.board import mark_differing
-
         values = {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in hparams.items()}
         experiment, session_start, _ = hparams_summaries(values, {tag: 0.0 for tag in metric_tags})
         file_writer = self._writer._get_file_writer()
@@ -102,8 +101,6 @@ class MetricWriter:
         if self._closed:
             return
         self._closed = True
-        from rnnlab.board import session_end
-
         self._writer._get_file_writer().add_summary(session_end(status or "unknown"))
         self._writer.close()
 

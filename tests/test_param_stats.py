@@ -115,3 +115,19 @@ def test_a_diverging_run_stops_as_diverged_and_skip_mode_still_writes_its_histog
     hist = {e.step: e.histogram_value for e in events.Histograms("params/readout/kernel")}
     assert sorted(hist) == [0, 3, 6, 9, 12]
     assert hist[12].num == kernel.size and (hist[12].min, hist[12].max) == (float(kernel.min()), float(kernel.max()))
+
+
+def test_histograms_leave_out_nan_and_inf_and_bin_equal_huge_values_once(tmp_path):
+    from rnnlab.metrics import MetricWriter
+
+    writer = MetricWriter(tmp_path)
+    left_out = writer.write_histograms(1, {"mixed": np.array([np.nan, 1.0, 2.0, np.inf]), "nan": np.full(3, np.nan),
+                                           "huge": np.full(10, 1e30, np.float32)})
+    writer.close("completed")
+    assert left_out == 5
+    events = EventAccumulator(str(tmp_path), size_guidance={"histograms": 0}).Reload()
+    assert sorted(events.Tags()["histograms"]) == ["huge", "mixed"]  # an all-NaN array has no histogram
+    mixed = events.Histograms("mixed")[0].histogram_value
+    assert (mixed.num, mixed.min, mixed.max, mixed.sum) == (2, 1.0, 2.0, 3.0)
+    huge = events.Histograms("huge")[0].histogram_value  # np.histogram cannot split it into 64 finite bins
+    assert huge.num == 10 and huge.min == huge.max == pytest.approx(1e30) and sum(huge.bucket) == 10
