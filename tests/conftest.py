@@ -1,6 +1,13 @@
-"""Shared fixtures. Four simulated CPU devices, set before JAX starts, so that tests can
-pmap over 1, 2 or 4 devices in this process; runs that need a fresh JAX use subprocesses."""
+"""Shared fixtures and the two tiers. Four simulated CPU devices, set before JAX starts, so that
+tests can pmap over 1, 2 or 4 devices in this process; runs that need a fresh JAX use subprocesses.
 
+`pytest` runs the fast tier; tests marked `slow` (end-to-end subprocess runs, and equivalences
+a faster test of the same module already states at a smaller scale) run with `pytest --full`,
+or alone with `pytest -m slow`. Compiled programs persist across test sessions in JAX's
+compilation cache under `.pytest_cache/` (never the user's cache): a rerun skips XLA's work.
+"""
+
+import importlib
 import os
 import subprocess
 import sys
@@ -9,6 +16,14 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+ROOT = Path(__file__).resolve().parents[1]
+# JAX's persistent compilation cache for this process and its train.py subprocesses, every
+# program kept (the defaults keep only those that took a second to compile).
+# RNNLAB_TEST_COMPILE_CACHE=0 runs without it.
+if os.environ.get("RNNLAB_TEST_COMPILE_CACHE", "1") != "0":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # rnnlab's caches (measured peak FLOP/s, measured CPU device counts) in a fresh dir for the
 # session, shared with the subprocesses: tests neither read nor write the user's ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
@@ -22,8 +37,21 @@ from rnnlab.cpu import set_cpu_xla_flags  # noqa: E402
 # whichever test happens to start JAX first.
 set_cpu_xla_flags()
 
-ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = str(ROOT / "conf")
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true", help="run the full suite: the fast tier and the tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without --full or a -m expression of one's own, the slow tests are deselected (not skipped)."""
+    if config.getoption("--full") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
 
 # Small enough to compile and run in seconds on a 2-core CPU.
 TINY = [
@@ -39,6 +67,20 @@ TINY = [
     "device=cpu",
     "device.num_devices=1",
 ]
+
+
+def require(module: str):
+    """`module` imported, or the test skipped where it is not installed; under CI (`CI` set) a
+    missing module fails the test instead: a test skipped in CI tests nothing."""
+    if os.environ.get("CI"):
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
+def fast_first(values, keep=1):
+    """Parametrize values of which the first `keep` run in the fast tier, the rest in the full tier only."""
+    return [v if i < keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for i, v in enumerate(values)]
 
 
 def compose_config(overrides=()):

@@ -55,6 +55,7 @@ def test_xla_compiles_with_the_flags_after_configure_backend(tmp_path, user_flag
     The kernels' LLVM IR, dumped by XLA, carries the vector width they were compiled for."""
     dump = tmp_path / "xla_dump"
     env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump} {user_flags}", "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a cache hit would compile nothing to dump
     subprocess.run([sys.executable, "-c", _COMPILE_AFTER_CONFIGURE], env=env, check=True, timeout=120)
     widths = {m for ll in dump.glob("*.ll") for m in re.findall(r'"prefer-vector-width"="(\d+)"', ll.read_text())}
     assert widths == {width}

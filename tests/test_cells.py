@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, fast_first, require
 from rnnlab.cells import from_torch
 from rnnlab.models import LayerStack, RecurrentLayer, build_model
 
@@ -76,10 +76,11 @@ def test_cell_matches_numpy_equations(cell, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # torch comes with the full tier's install (.[test,bench])
 @pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_two_layer_stack_matches_torch(cell, recurrence):
-    torch = pytest.importorskip("torch")
+    torch = require("torch")
     torch.manual_seed(0)
     # Input width H so that the torch layers' shapes match our stack (which follows input_proj).
     net = (torch.nn.LSTM if cell == "lstm" else torch.nn.GRU)(H, H, num_layers=2, batch_first=True)
@@ -99,7 +100,7 @@ def model_config(*overrides, **fields):
     return dataclasses.replace(compose_config(list(overrides)).model, **fields)
 
 
-@pytest.mark.parametrize("cell,scheme", [("lstm", "orthogonal"), ("rnn", "identity")])
+@pytest.mark.parametrize("cell,scheme", fast_first([("rnn", "identity"), ("lstm", "orthogonal")]))
 def test_vmap_init_matches_scan_init(cell, scheme):
     x = jnp.zeros((2, 3, 2))
     trees = {}
@@ -136,7 +137,7 @@ def loss_and_grads(config, seq_len=9, seed=0):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("cell,activation", [("rnn", "tanh"), ("rnn", "relu"), ("lstm", "tanh"), ("gru", "tanh")])
+@pytest.mark.parametrize("cell,activation", fast_first([("rnn", "tanh"), ("gru", "tanh"), ("rnn", "relu"), ("lstm", "tanh")]))
 def test_custom_vjp_gives_the_same_loss_and_gradients_as_autodiff(cell, activation):
     """rnnlab/recurrence.py's hand-written backward against jax.grad through the scanned cell."""
     base = model_config(f"model={cell}", f"model.activation={activation}", "hidden_dim=8", "num_layers=2",
@@ -166,6 +167,7 @@ def _leaf(tree, path):
     return tree
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_and_gradients():
     base = model_config("model=lstm", "hidden_dim=8", "num_layers=2", recurrence="autodiff")
     want_loss, want_grads = loss_and_grads(base)

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, TINY, run_train, saved_state, train_env
+from conftest import ROOT, TINY, require, run_train, saved_state, train_env
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def test_process_id_out_of_range_is_refused(tmp_path):
 
 
 def test_slurm_launcher_preset_composes():
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    require("hydra_plugins.hydra_submitit_launcher")
     from hydra import compose, initialize_config_dir
 
     from conftest import CONF_DIR

@@ -9,7 +9,7 @@ import jax
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import compose_config, tiny_config
+from conftest import compose_config, fast_first, tiny_config
 from rnnlab import config as cfg
 from rnnlab.metrics import hparam_metric_tags
 from rnnlab.trainer import train_and_evaluate
@@ -62,7 +62,7 @@ def test_without_eval_lengths_eval_by_len_is_empty(tmp_path):
     assert results["eval_by_len"] == {} and strict_json(tmp_path / "results.json")["eval_by_len"] == {}
 
 
-@pytest.mark.parametrize("strategy,devices", [("pmap", 2), ("shard_map", 4)])
+@pytest.mark.parametrize("strategy,devices", fast_first([("pmap", 2), ("shard_map", 4)]))
 def test_each_length_compiles_once_and_matches_one_device(tmp_path, caplog, strategy, devices):
     """Several devices, several evaluations: one eval step and one batch sampler more per further
     length, each compiled once; the numbers are those of one device."""

@@ -94,6 +94,7 @@ def test_the_new_cell_computes_its_equations():
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_new_cell_and_task_train_through_train_and_evaluate(tmp_path):
     from conftest import tiny_config
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import ROOT, compose_config
+from conftest import ROOT, compose_config, fast_first
 from rnnlab import flops, models, parallel, tasks
 from rnnlab.cells import CELLS, LinearCell
 from rnnlab.models import build_model
@@ -83,7 +83,13 @@ def _applies(cell, options):
     return not (linear and "model.remat=true" in options or not linear and "model.time_scan=associative" in options)
 
 
-@pytest.mark.parametrize("cell, options", [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)],
+# The fast tier: each cell with the default options, and every option with the Elman cell (or minGRU).
+FAST_OPTIONS = [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)
+                if not o or c == ("mingru" if "model.time_scan=associative" in o else "rnn")]
+
+
+@pytest.mark.parametrize("cell, options", FAST_OPTIONS + fast_first(
+    [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o) and (c, o) not in FAST_OPTIONS], keep=0),
                          ids=lambda v: v if isinstance(v, str) else ",".join(v) or "default")
 def test_analytic_count_equals_the_traced_matmuls(cell, options):
     """Exact: every dot_general of the traced step (scan bodies times their length), remat included."""
@@ -91,7 +97,7 @@ def test_analytic_count_equals_the_traced_matmuls(cell, options):
     assert flops.jaxpr_matmul_flops(step, *args) == analytic(config, task).executed
 
 
-@pytest.mark.parametrize("cell", PACKAGE_CELLS)
+@pytest.mark.parametrize("cell", fast_first(sorted(PACKAGE_CELLS, key=lambda c: c not in ("rnn", "mingru")), keep=2))
 def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     """XLA counts a loop body once: unroll the scans so it counts every iteration, then compare.
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import compose_config
+from conftest import compose_config, fast_first
 from rnnlab import config as cfg
 from rnnlab.cells import initializers
 from rnnlab.models import LayerStack, RecurrentLayer, build_model, default_unroll, stack_layer_params
@@ -64,8 +64,9 @@ def test_scanned_params_are_stacked_on_a_leading_layer_axis():
     assert not np.allclose(layers["cell"]["W_hh"][0], layers["cell"]["W_hh"][1])
 
 
-@pytest.mark.parametrize("hidden_dim", [8, 2])  # input width 5: folded (5 < 2H) and not (5 >= 2H)
-@pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
+# input width 5: folded (5 < 2H) and not (5 >= 2H)
+@pytest.mark.parametrize("hidden_dim, recurrence", fast_first([(8, "custom_vjp"), (2, "autodiff"), (8, "autodiff"),
+                                                              (2, "custom_vjp")], keep=2))
 def test_model_is_projection_then_elman_stack_then_readout(hidden_dim, recurrence):
     """The whole model against NumPy: x P + c, two Elman layers, the readout at every step,
     however the first layer computes its input term (the projection folded into W_xh or not)."""

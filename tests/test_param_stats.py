@@ -58,6 +58,7 @@ def reference_gradients(config, params, step):
 @pytest.mark.parametrize("devices", [("device.num_devices=1",),
                                      ("device.num_devices=2", "device.strategy=pmap"),
                                      ("device.num_devices=2", "device.strategy=shard_map")])
+@pytest.mark.slow
 def test_histograms_and_layer_norms_match_the_checkpoint_and_its_gradient(tmp_path, devices):
     config = tiny_config("model=gru", "num_layers=3", "steps=10", "checkpoint.every=5", *EVERY, *devices)
     train_and_evaluate(config, tmp_path)
@@ -98,6 +99,7 @@ def test_a_negative_histogram_period_is_refused():
         compose_config(["log.histograms_every=-1"])
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_as_diverged_and_skip_mode_still_writes_its_histograms(tmp_path):
     from rnnlab.trainer import NonFiniteLossError
 

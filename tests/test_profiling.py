@@ -15,6 +15,7 @@ def test_profile_window_writes_a_trace_and_a_memory_profile(tmp_path, tiny):
     assert (tmp_path / "tensorboard" / "memory_step4.prof").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_profile_window_inside_multi_step_dispatches(tmp_path, tiny):
     # With 8 steps per dispatch and nothing else to stop at before step 16, dispatches end at
     # the window's edges (steps 4 and 7), so the trace holds steps 5-7 and no more.
@@ -25,6 +26,7 @@ def test_profile_window_inside_multi_step_dispatches(tmp_path, tiny):
     assert [p.name for p in (tmp_path / "tensorboard").glob("memory_step*.prof")] == ["memory_step7.prof"]
 
 
+@pytest.mark.slow
 def test_profiling_is_off_by_default(tmp_path, tiny):
     config = tiny()
     assert config.profile.num_steps == 0

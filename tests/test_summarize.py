@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, require
 
 LENGTHS = {"128": 0.25, "16": 1.0, "32": 0.75}  # eval length -> accuracy; string keys, as results.json has them
 
@@ -89,7 +89,7 @@ def tick_labels(ax):
 
 
 def test_numeric_sweep_has_ticks_at_the_swept_values_and_joined_lines(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "param_figure", "hidden_dim")
     check_labelled(fig)
     for ax in fig.axes:
@@ -101,7 +101,7 @@ def test_numeric_sweep_has_ticks_at_the_swept_values_and_joined_lines(tmp_path, 
 
 
 def test_log_spaced_sweep_has_only_the_swept_ticks(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     root = make_sweep(tmp_path / "s", [{"optimizer.lr": v} for v in ("0.0001", "0.001", "0.01")])
     fig = figure_of(scripts, root, "param_figure", "optimizer.lr")
     for ax in fig.axes:
@@ -110,7 +110,7 @@ def test_log_spaced_sweep_has_only_the_swept_ticks(tmp_path, scripts):
 
 
 def test_categorical_sweep_has_category_ticks_and_unjoined_points(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "param_figure", "model")
     check_labelled(fig)
     for ax in fig.axes:
@@ -122,8 +122,8 @@ def test_categorical_sweep_has_category_ticks_and_unjoined_points(tmp_path, scri
 
 
 def test_loss_curves_have_a_colour_per_job_and_labelled_axes(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("tensorboard")
+    require("matplotlib")
+    require("tensorboard")
     fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "loss_figure")
     check_labelled(fig)
     for ax in fig.axes:
@@ -134,8 +134,8 @@ def test_loss_curves_have_a_colour_per_job_and_labelled_axes(tmp_path, scripts):
 
 
 def test_legends_name_the_sweep_when_several_are_summarized(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
-    pytest.importorskip("tensorboard")
+    require("matplotlib")
+    require("tensorboard")
     for name in ("a", "b"):
         make_sweep(tmp_path / name, [{"hidden_dim": 32}, {"hidden_dim": 64}])
     fig = figure_of(scripts, tmp_path, "loss_figure")
@@ -186,7 +186,7 @@ def test_zoo_rows_name_the_other_swept_overrides(tmp_path, scripts):
 
 
 def test_zoo_plot_has_a_line_per_cell_against_length(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     import summary_plots
 
     root = zoo_sweep(tmp_path / "zoo", [{"model": m} for m in ("rnn", "lstm", "gru")])
@@ -206,7 +206,7 @@ def test_zoo_plot_has_a_line_per_cell_against_length(tmp_path, scripts):
 
 
 def test_main_writes_every_figure(tmp_path, scripts):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     root = zoo_sweep(tmp_path / "zoo", [{"model": m} for m in ("rnn", "lstm")])
     assert scripts.main([str(root)]) == 0
     for name in ("loss_curves.png", "sweep_model.png", "zoo_accuracy_by_len.png", "zoo_table.md", "summary.md"):

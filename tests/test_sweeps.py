@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, compose_config, run_train
+from conftest import ROOT, compose_config, require, run_train
 
 # Tiny jobs: each compiles and runs in a few seconds on a 2-core CPU.
 SWEEP_TINY = ["steps=4", "batch_size=8", "data.seq_len=6", "log_every=2", "eval_every=4", "eval_batches=1",
@@ -105,7 +105,7 @@ def test_tensorboard_hparams_dashboard_shows_one_row_per_job(grid_sweep):
 
 @pytest.mark.slow
 def test_summarize_writes_tables_and_plots(grid_sweep, tmp_path):
-    pytest.importorskip("matplotlib")
+    require("matplotlib")
     proc = summarize(grid_sweep, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout
@@ -140,7 +140,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 @pytest.mark.slow
 def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    require("hydra_plugins.hydra_joblib_launcher")
     proc = run_train(["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", "hidden_dim=8,16", *SWEEP_TINY,
                       f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -155,7 +155,7 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
 
 @pytest.mark.slow
 def test_optuna_study_of_three_trials(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    require("hydra_plugins.hydra_optuna_sweeper")
     proc = run_train(["-m", "hparams_search=adding_optuna", "hydra.sweeper.n_trials=3", *SWEEP_TINY,
                       "hidden_dim=choice(8,16)", f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
