@@ -1,0 +1,163 @@
+"""Gated linear attention (GLA; Yang, Wang, Shen, Panda and Kim 2023, "Gated Linear Attention
+Transformers with Hardware-Efficient Training"): the time-mixing recurrence as plain JAX
+functions, a sequential scan and the chunkwise-parallel form.
+
+Row convention, per batch row and head; S: [dk, dv], S_0 = 0; q_t, k_t: [dk], v_t: [dv] (rows):
+
+    S_t = diag(alpha_t) S_{t-1} + k_t^T v_t,      o_t = q_t S_t,      alpha_t = exp(log_alpha_t) in (0, 1]^dk
+
+log_alpha = 0 is plain (causal, unnormalised) linear attention.
+
+Chunkwise form (paper, Sec. 4). Time is cut into chunks of C steps. In a chunk with incoming
+state S and positions i, j = 1..C, let g_i = sum_{s <= i} log_alpha_s (summed within the
+chunk, so g is nonincreasing and <= 0). Then
+
+    o_i = (q_i * exp(g_i)) S + sum_{j <= i} A_ij v_j,     A_ij = sum_d q_id k_jd exp(g_id - g_jd)
+    S'  = diag(exp(g_C)) S + sum_j (k_j * exp(g_C - g_j))^T v_j
+
+Every exponent there is <= 0, except that A written as (q * exp(g)) (k * exp(-g))^T needs
+exp(-g), which overflows float32 once a chunk's gates sum below about -88. Here A is
+computed by recursive secondary chunking: the chunk is halved; the block of pairs with i in
+the second half and j in the first is one matmul, split at the reference r = g at the last
+step of the first half,
+
+    A_ij = sum_d (q_id exp(g_id - r_d)) (k_jd exp(r_d - g_jd)),      g_i <= r <= g_j,
+
+so both factors are <= 1; the two halves on the diagonal are halved again, down to single
+steps (A_ii = q_i . k_i). Each entry of A is thus one product of two bounded factors: no
+overflow for any gates (tiny terms underflow to zero, as their true value is as tiny), about
+C^2 dk / 2 multiply-adds in log2(C) levels, and no [C, C, dk] tensor.
+
+Arrays are time-major: q, k, log_alpha: [T, B, h, dk], v: [T, B, h, dv]; outputs [T, B, h, dv].
+Matmuls take operands in the input dtype and accumulate in float32; gates and the state are
+float32. The helpers (`mm`, `pad_time`, `to_chunks`, `from_chunks`, `block_checkpoint_scan`,
+`pow2_ceil`) are shared with `rnnlab.cells.delta_rule_forms`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+def mm(spec: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
+    """einsum of a and b cast to `dtype`, accumulated and returned in float32."""
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=F32)
+
+
+def pad_time(xs: list, length: int) -> list:
+    """Zero-pad each array's leading (time) axis to `length`."""
+    return [jnp.pad(x, [(0, length - x.shape[0])] + [(0, 0)] * (x.ndim - 1)) for x in xs]
+
+
+def to_chunks(x: jax.Array, chunk: int) -> jax.Array:
+    """[N*C, B, h, ...] -> [N, B, h, C, ...]."""
+    x = x.reshape(x.shape[0] // chunk, chunk, *x.shape[1:])
+    return jnp.moveaxis(x, 1, 3)
+
+
+def from_chunks(x: jax.Array, length: int) -> jax.Array:
+    """[N, B, h, C, ...] -> [T, B, h, ...], the first `length` steps."""
+    x = jnp.moveaxis(x, 3, 1)
+    return x.reshape(-1, *x.shape[2:])[:length]
+
+
+def block_checkpoint_scan(step: Callable, init: Any, xs: list, block: int):
+    """`lax.scan(step, init, xs)` over the time axis of xs (padded by the caller to a multiple
+    of `block`), as an outer scan over blocks whose body is `jax.checkpoint` of the inner scan:
+    autodiff keeps one carry per block, and recomputes a block's steps in its backward."""
+
+    def body(carry, xs_block):
+        return jax.lax.scan(step, carry, xs_block)
+
+    xs = [x.reshape(x.shape[0] // block, block, *x.shape[1:]) for x in xs]
+    carry, ys = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), init, xs)
+    return carry, jax.tree_util.tree_map(lambda y: y.reshape(-1, *y.shape[2:]), ys)
+
+
+def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
+                  checkpoint_every: int = 64) -> jax.Array:
+    """GLA one step at a time. q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
+
+    Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
+    length, batch, heads, dk = q.shape
+    dtype = jnp.result_type(q, k, v)
+    block = max(1, min(checkpoint_every, length))
+    padded = -(-length // block) * block
+    # Padded steps: alpha = 1, k = v = 0, so the state passes through them unchanged.
+    q, k, v, log_alpha = pad_time([q, k, v, log_alpha], padded)
+
+    def step(state, x):
+        q_t, k_t, v_t, la_t = x
+        state = jnp.exp(la_t.astype(F32))[..., None] * state + mm("bhk,bhv->bhkv", k_t, v_t, dtype)
+        return state, mm("bhk,bhkv->bhv", q_t, state, dtype).astype(dtype)
+
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
+    _, o = block_checkpoint_scan(step, init, [q, k, v, log_alpha], block)
+    return o[:length]
+
+
+def pow2_ceil(n: int) -> int:
+    """The least power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
+def intra_chunk_scores(q: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
+    """A[..., i, j] = sum_d q_id k_jd exp(g_id - g_jd) for j <= i, else 0, by recursive
+    secondary chunking (module docstring). q, k: [..., C, dk]; g: float32 [..., C, dk],
+    nonincreasing along C -> float32 [..., C, C]."""
+    dtype = jnp.result_type(q, k)
+    chunk, dk = q.shape[-2:]
+    size = pow2_ceil(chunk)
+    if size != chunk:  # pad to a power of two: q = k = 0 and g held at its last value
+        pad = [(0, 0)] * (q.ndim - 2) + [(0, size - chunk), (0, 0)]
+        q, k, g = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(g, pad, mode="edge")
+    lead = q.shape[:-2]
+    # Diagonal blocks of the current width, [..., size / width, width, width]; width 1 first.
+    blocks = mm("...cd,...cd->...c", q, k, dtype)[..., None, None]
+    width = 1
+    while width < size:
+        n = size // (2 * width)
+        qb, kb, gb = (x.reshape(*lead, n, 2, width, dk) for x in (q, k, g))
+        ref = gb[..., 0, width - 1:, :]  # g at the last step of each first half: [..., n, 1, dk]
+        q_low = qb[..., 1, :, :] * jnp.exp(gb[..., 1, :, :] - ref)
+        k_up = kb[..., 0, :, :] * jnp.exp(ref - gb[..., 0, :, :])
+        off = mm("...nid,...njd->...nij", q_low, k_up, dtype)  # rows: second halves, columns: first
+        diag = blocks.reshape(*lead, n, 2, width, width)
+        top = jnp.concatenate([diag[..., 0, :, :], jnp.zeros_like(off)], axis=-1)
+        bottom = jnp.concatenate([off, diag[..., 1, :, :]], axis=-1)
+        blocks = jnp.concatenate([top, bottom], axis=-2)
+        width *= 2
+    return blocks.reshape(*lead, size, size)[..., :chunk, :chunk]
+
+
+def gla_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
+                chunk_size: int = 64) -> jax.Array:
+    """GLA, chunkwise-parallel, intra-chunk scores by recursive secondary chunking (overflow-free
+    for any gates <= 0). q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
+
+    A `lax.scan` over chunks carries the state; autodiff keeps one state per chunk."""
+    length, batch, heads, dk = q.shape
+    dtype = jnp.result_type(q, k, v)
+    padded = -(-length // chunk_size) * chunk_size
+    # Padded steps (at the end): q = k = v = 0 and alpha = 1; they touch no real output.
+    q, k, v, log_alpha = (to_chunks(x, chunk_size) for x in pad_time([q, k, v, log_alpha], padded))
+    g = jnp.cumsum(log_alpha.astype(F32), axis=-2)  # [N, B, h, C, dk]
+    g_last = g[..., -1:, :]
+    o_intra = mm("...ij,...jv->...iv", intra_chunk_scores(q, k, g), v, dtype)
+    q_in = q * jnp.exp(g)  # reads the chunk's incoming state
+    k_out = k * jnp.exp(g_last - g)  # writes the chunk's outgoing state
+    decay = jnp.exp(g_last[..., 0, :])[..., None]  # [N, B, h, dk, 1]
+
+    def step(state, x):
+        k_c, v_c, decay_c = x
+        return decay_c * state + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), state
+
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
+    _, states_in = jax.lax.scan(step, init, (k_out, v, decay))  # [N, B, h, dk, dv]
+    o = o_intra + mm("nbhck,nbhkv->nbhcv", q_in, states_in, dtype)
+    return from_chunks(o.astype(dtype), length)
