@@ -12,7 +12,8 @@ cost, forward:
                                              into layer 0's W_xh (rnnlab.models.folds_projection)
     per layer          R                     the cell's step, inside the time scan (0 for a cell
                                              linear in its state)
-                       + the cell's output   `Cell.output_flops` (the LRU's Re(h C): 4 H^2)
+                       + the cell's own      `Cell.mixing_flops` (the LRU's Re(h C): 4 H^2; the
+                                             matrix-state cells' and attention's maps and products)
                        + 12 * H^2            `model.block=residual`: the gated MLP (3 [H, 2H] matmuls)
     layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
@@ -94,13 +95,14 @@ class StepFlops:
         return self.model + self.recompute
 
 
-def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int) -> StepFlops:
-    """Matmul FLOPs of a step over `tokens` = global batch x time steps (see the module docstring)."""
+def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int, seq_len: int) -> StepFlops:
+    """Matmul FLOPs of a step over `tokens` = global batch x time steps of sequences of `seq_len`
+    steps (see the module docstring)."""
     cell = model.make_cell()
-    h, gh, layers = model.hidden_dim, cell.num_gates * model.hidden_dim, model.num_layers
-    matmul = 2 * h * gh  # one [H, G*H] input weight applied to one token
-    # Per layer besides its input term: the cell's recurrent matmul, its output map, the residual MLP.
-    per_layer = cell.recurrent_flops() + cell.output_flops()
+    h, gh, layers = model.hidden_dim, cell.input_width, model.num_layers
+    matmul = 2 * h * gh  # one [H, W] input weight applied to one token
+    # Per layer besides its input term: the cell's recurrent matmul, its other matmuls, the residual MLP.
+    per_layer = cell.recurrent_flops() + cell.mixing_flops(seq_len, model.time_scan)
     if model.block == "residual":
         per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
     readout = 2 * h * output_dim
@@ -120,9 +122,9 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int)
     return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
 
 
-def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int) -> int:
-    """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x sequence length."""
-    return step_flops(model, input_dim, output_dim, tokens_per_step).model
+def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int, seq_len: int) -> int:
+    """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x `seq_len`."""
+    return step_flops(model, input_dim, output_dim, tokens_per_step, seq_len).model
 
 
 # --- FLOPs as JAX and XLA see them (for cross-checks and the benchmark) ---------------------------

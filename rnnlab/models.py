@@ -2,7 +2,7 @@
 with a scan), a readout.
 
 Shapes use `B` batch, `T` time, `I` input features, `H` hidden units, `L` layers and
-`G` the cell's gate count (`num_gates` of the registered cell: the input term is G*H wide).
+`W` the width of the cell's input term (`input_width` of the registered cell: G*H for G gates).
 
 Parameter layout (`model.scan_layers=true`, the default)::
 
@@ -29,9 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells import Cell, LinearCell, get_cell
+from rnnlab.cells import Cell, SequenceCell, get_cell
 from rnnlab.config import ModelConfig
-from rnnlab.recurrence import linear, linear_recurrence, recurrence, scan_linear
+from rnnlab.recurrence import linear, recurrence
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -136,7 +136,7 @@ class RecurrentLayer(nn.Module):
         """
         cell = get_cell(self.cell)(self.hidden_dim, self.init_scheme, self.activation, self.forget_bias,
                                    **dict(self.cell_options))
-        width = cell.num_gates * self.hidden_dim
+        width = cell.input_width
         fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
         w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
         b = self.param("b", cell.bias_init(), (width,))
@@ -148,8 +148,9 @@ class RecurrentLayer(nn.Module):
             x = x.astype(self.dtype) @ kernel + bias
         x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
         params = jax.tree_util.tree_map(lambda p: p.astype(self.dtype), params)
-        if isinstance(cell, LinearCell):
-            return self._dropout(self._linear(cell, params, x, w_xh, b)), None
+        if isinstance(cell, SequenceCell):  # every step's input term at once, then the cell's own form
+            hs = cell.mix(params, linear(x, w_xh) + b, x, self.time_scan, self.unroll, self.recurrence)
+            return self._dropout(hs), None
         if self.recurrence == "custom_vjp":
             hs = recurrence(cell, self.unroll, linear(x, w_xh), b, params)
             return self._dropout(hs), None
@@ -164,15 +165,6 @@ class RecurrentLayer(nn.Module):
         # gradient a contiguous write), unlike a slice of axis 1.
         _, hs = jax.lax.scan(step, cell.initial_carry(x[0]), x, unroll=self.unroll)
         return self._dropout(hs), None
-
-    def _linear(self, cell: LinearCell, params: Any, x: jax.Array, w_xh: jax.Array, b: jax.Array) -> jax.Array:
-        """A cell linear in its state: every step's coefficients at once, then one time scan over them."""
-        a, coef_b = cell.coefficients(params, linear(x, w_xh) + b, x)
-        if self.recurrence == "custom_vjp":
-            hs = linear_recurrence(a, coef_b, self.time_scan, self.unroll)
-        else:
-            hs = scan_linear(a, coef_b, self.time_scan, self.unroll)
-        return cell.output(params, hs, x)
 
     def _dropout(self, hs: jax.Array) -> jax.Array:
         if self.dropout > 0:

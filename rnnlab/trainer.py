@@ -238,7 +238,7 @@ def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = (), var
         writer=MetricWriter(setup.workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
                             enabled=setup.primary),
         tokens_per_step=tokens_per_step,
-        flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step),
+        flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step, task.total_len),
         peak_flops=flops.peak_flops(local_device, flops.model_peak_kind(config.model.dtype)),  # cached, else ~1 s
         profiler=StepProfiler(config.profile, setup.workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),

@@ -338,7 +338,7 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     median["rnnlab"] = by_devices[main_devices]
     median["bare"] = median.get(f"bare@{main_devices}", median["bare"])  # the bare step on the same count
     tokens = b * t
-    model_flops = flops.train_step_flops(config.model, bare.task.input_dim, bare.task.output_dim, tokens)
+    model_flops = flops.train_step_flops(config.model, bare.task.input_dim, bare.task.output_dim, tokens, bare.task.total_len)
     devices = jax.devices()[:main_devices]
     result = {
         "cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "overrides": args.override,

@@ -109,7 +109,7 @@ def test_the_new_cell_and_task_train_through_train_and_evaluate(tmp_path):
     assert results["eval_metric_name"] == "accuracy" and results["eval_metric"] == results["eval_metrics"]["accuracy"]
     assert results["eval_metrics"]["accuracy"] > 0.9  # it learns: recall over 3 steps needs little memory
     assert results["eval_loss"] < 0.5 * results["baseline_loss"]
-    assert results["flops_per_step"] == flops.train_step_flops(config.model, 2, 2, results["tokens_per_step"])
+    assert results["flops_per_step"] == flops.train_step_flops(config.model, 2, 2, results["tokens_per_step"], 3)
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
     assert {"eval/accuracy", "eval/confidence", "train/accuracy", "train/confidence"} <= set(events.Tags()["scalars"])
 

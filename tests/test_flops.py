@@ -41,7 +41,8 @@ def step_and_args(overrides):
 
 
 def analytic(config, task):
-    return flops.step_flops(config.model, task.input_dim, task.output_dim, config.batch_size * task.total_len)
+    return flops.step_flops(config.model, task.input_dim, task.output_dim, config.batch_size * task.total_len,
+                           task.total_len)
 
 
 @contextlib.contextmanager
@@ -120,13 +121,13 @@ def test_backward_is_twice_forward_less_the_data_gradient():
     fold's per-step products cost twice as much backward as forward."""
     config = compose_config(["model.cell=lstm"])
     i, gh = 2, 4 * config.hidden_dim
-    f10, f20 = (flops.step_flops(config.model, input_dim=i, output_dim=1, tokens=n) for n in (10, 20))
+    f10, f20 = (flops.step_flops(config.model, input_dim=i, output_dim=1, tokens=n, seq_len=5) for n in (10, 20))
     forward_token, backward_token = (f20.forward - f10.forward) // 10, (f20.backward - f10.backward) // 10
     assert backward_token == 2 * forward_token - 2 * i * gh
     per_step = f10.forward - 10 * forward_token
     assert per_step == 2 * i * config.hidden_dim * gh + 2 * config.hidden_dim * gh
     assert f10.backward - 10 * backward_token == 2 * per_step
-    assert f10.recompute == 0 and f10.executed == f10.model == flops.train_step_flops(config.model, i, 1, 10)
+    assert f10.recompute == 0 and f10.executed == f10.model == flops.train_step_flops(config.model, i, 1, 10, 5)
 
 
 def test_folding_the_input_projection_halves_a_one_layer_step(monkeypatch):

@@ -97,7 +97,7 @@ def test_benchmark_prints_a_row_and_writes_json(tmp_path):
     assert set(row["step_ms_by_devices"]) == {"1", "2"}  # JSON keys; the main column is the faster count
     assert row["step_ms"] == pytest.approx(min(v for v in row["step_ms_by_devices"].values() if v))
     assert row["flops_per_step"] == flops.train_step_flops(
-        benchmark_config("lstm", 8, 4, 6, 2).model, 2, 1, 4 * 6
+        benchmark_config("lstm", 8, 4, 6, 2).model, 2, 1, 4 * 6, 6
     )
     assert "lstm" in proc.stdout and "wrote" in proc.stdout
 

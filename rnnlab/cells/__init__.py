@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 
 from rnnlab.cells.registry import (  # noqa: F401  (the public names)
-    ACTIVATIONS, CELLS, INITIALIZERS, Cell, LinearCell, cell_names, from_torch, get_cell, initializers, per_gate,
+    ACTIVATIONS, CELLS, INITIALIZERS, Cell, LinearCell, SequenceCell, cell_names, from_torch, get_cell, initializers, per_gate,
     register_cell,
 )
 

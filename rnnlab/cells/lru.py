@@ -78,5 +78,8 @@ class LRU(LinearCell):
         y = jnp.real(hs).astype(dtype) @ params["C_re"] - jnp.imag(hs).astype(dtype) @ params["C_im"]
         return y + params["D"] * x
 
-    def output_flops(self):
+    def state_size(self, seq_len):
+        return 2 * self.hidden_dim  # complex
+
+    def mixing_flops(self, seq_len, time_scan):
         return 2 * 2 * self.hidden_dim * self.hidden_dim  # Re(h C) as two real [H, H] matmuls

@@ -1,10 +1,12 @@
 """The cell interface and the registry of cells by name.
 
 A cell is one time step of a recurrent layer given its *input term*. The layer
-(`rnnlab.models.RecurrentLayer`) owns the input weights W_xh: f32[I, G*H] and bias
-b: f32[G*H] (G = `num_gates`) and computes `u_t = x_t W_xh + b`: f32[B, G*H]; the cell
-owns its recurrent parameters (`param_specs`) and does the rest in `step`. Shapes: `B`
-batch, `T` time, `H` hidden units.
+(`rnnlab.models.RecurrentLayer`) owns the input weights W_xh: f32[I, W] and bias
+b: f32[W] (W = `input_width`, G*H for a cell of G gates) and computes `u_t = x_t W_xh + b`;
+the cell owns its recurrent parameters (`param_specs`) and does the rest in `step`. A
+`SequenceCell` instead takes the whole sequence at once (`mix`): the cells linear in their
+state, the matrix-state cells and attention, the layer's one other kind of time mixer.
+Shapes: `B` batch, `T` time, `H` hidden units.
 
 Everything the rest of rnnlab needs of a cell is declared on its class, so a new cell is
 one file: subclass `Cell`, decorate it with `@register_cell`, and every part of the code
@@ -115,6 +117,16 @@ class Cell:
     time_scans: ClassVar[tuple[str, ...]] = ("sequential",)  # `model.time_scan` choices (associative: linear cells)
     uses_layer_input: ClassVar[bool] = False  # reads the layer's input x itself (so layer 0 gets x P + c, unfolded)
 
+    @property
+    def input_width(self) -> int:
+        """W, the width of the input term u = x W_xh + b the layer computes for this cell."""
+        return self.num_gates * self.hidden_dim
+
+    def state_size(self, seq_len: int) -> int:
+        """Floats of recurrent state one layer keeps per example after `seq_len` steps (what a
+        recurrent model remembers its past in; Zoology plots recall against it)."""
+        return self.hidden_dim
+
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], Initializer]]:
         """The recurrent parameters: name -> (shape, initializer). Created under the layer's `cell/`."""
         _, recurrent = initializers(self.init)
@@ -166,8 +178,10 @@ class Cell:
         """A one-line message naming the `model.<key>` of a cell option out of range, or None."""
         return None
 
-    def output_flops(self) -> int:
-        """Matmul FLOPs per token of what the layer computes from the states (`LinearCell.output`)."""
+    def mixing_flops(self, seq_len: int, time_scan: str) -> int:
+        """Forward matmul FLOPs per token of the cell's work outside `step` and outside the layer's input
+        term (a `SequenceCell`'s `mix`: its output maps, attention scores, chunk matmuls), for
+        sequences of `seq_len` steps mixed by `time_scan`; each has a backward of twice its size."""
         return 0
 
     def recurrent_flops(self) -> int:
@@ -185,20 +199,49 @@ class Cell:
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearCell(Cell):
+class SequenceCell(Cell):
+    """A time mixer the layer hands the whole sequence at once (`mix`): it has no `step`, and the
+    layer never runs one step at a time. Its forms (`time_scans`) are its own; it differentiates
+    by autodiff through them or by a backward they write by hand."""
+
+    def param_specs(self):
+        return {}
+
+    def mix(self, params: Params, u: jax.Array, x: jax.Array, time_scan: str, unroll: int,
+            recurrence: str) -> jax.Array:
+        """(params, u = x W_xh + b: [T, B, W], x: the layer input [T, B, I]) -> the layer's output
+        [T, B, H] (real), by the form `time_scan`; `recurrence` is the layer's `model.recurrence`."""
+        raise NotImplementedError
+
+    @property
+    def has_backward(self) -> bool:
+        return True  # each form's own, or autodiff through it where it has none
+
+    def recurrent_flops(self) -> int:
+        return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCell(SequenceCell):
     """A cell linear in its state, `h_t = a_t * h_{t-1} + b_t` elementwise, with a_t and b_t functions of
     the input alone: the whole time recurrence is one `rnnlab.recurrence.linear_recurrence`, which runs
     as a sequential or an associative scan (`model.time_scan`) and has its backward written by hand.
 
     Subclasses define `coefficients` (a, b for all time steps at once) and may define `output`
-    (what the layer emits from the states; default the states). They have no `step`: the layer
-    never runs one step at a time.
+    (what the layer emits from the states; default the states).
     """
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
 
-    def param_specs(self):
-        return {}
+    def mix(self, params, u, x, time_scan, unroll, recurrence):
+        from rnnlab.recurrence import linear_recurrence, scan_linear  # (it imports this module's types)
+
+        a, b = self.coefficients(params, u, x)
+        if recurrence == "custom_vjp":
+            hs = linear_recurrence(a, b, time_scan, unroll)
+        else:
+            hs = scan_linear(a, b, time_scan, unroll)
+        return self.output(params, hs, x)
 
     def coefficients(self, params: Params, u: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(params, u = x W_xh + b: [T, B, G*H], x: the layer input [T, B, I]) -> (a, b): [T, B, H] each."""
@@ -207,13 +250,6 @@ class LinearCell(Cell):
     def output(self, params: Params, hs: jax.Array, x: jax.Array) -> jax.Array:
         """hs: [T, B, H] states -> the layer's output [T, B, H] (real)."""
         return hs
-
-    @property
-    def has_backward(self) -> bool:
-        return True  # the linear recurrence's own (`rnnlab.recurrence.linear_recurrence`)
-
-    def recurrent_flops(self) -> int:
-        return 0
 
 
 CELLS: Registry[type[Cell]] = Registry("cell")
