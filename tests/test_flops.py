@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, compose_config, fast_first
 from rnnlab import flops, models, parallel, tasks
-from rnnlab.cells import CELLS, LinearCell
+from rnnlab.cells import CELLS, LinearCell, SequenceCell
 from rnnlab.models import build_model
 from rnnlab.steps import create_train_state, make_optimizer, train_step
 
@@ -75,18 +75,20 @@ OPTIONS = [
     ["model.block=residual", "model.scan_layers=false", "model.recurrence=autodiff"],
     ["model.time_scan=associative"],  # linear cells only
     ["model.time_scan=associative", "model.recurrence=autodiff", "model.block=residual"],
+    ["model.time_scan=chunked"],  # matrix-state cells only
 ]
 
 
 def _applies(cell, options):
-    """remat is for classic cells, the associative scan for linear ones (each refuses the other)."""
-    linear = issubclass(CELLS[cell], LinearCell)
-    return not (linear and "model.remat=true" in options or not linear and "model.time_scan=associative" in options)
+    """remat is for cells run step by step; a time scan for the cells that have that form."""
+    cls = CELLS[cell]
+    scans = [o.split("=", 1)[1] for o in options if o.startswith("model.time_scan=")]
+    return not (issubclass(cls, SequenceCell) and "model.remat=true" in options) and all(t in cls.time_scans for t in scans)
 
 
-# The fast tier: each cell with the default options, and every option with the Elman cell (or minGRU).
-FAST_OPTIONS = [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)
-                if not o or c == ("mingru" if "model.time_scan=associative" in o else "rnn")]
+# The fast tier: each cell with the default options, and each option with the first cell it applies to.
+FAST_OPTIONS = [(c, []) for c in PACKAGE_CELLS] + [
+    (c, o) for o in OPTIONS if o for c in [next((c for c in ["rnn", *PACKAGE_CELLS] if _applies(c, o)), None)] if c]
 
 
 @pytest.mark.parametrize("cell, options", FAST_OPTIONS + fast_first(

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from conftest import CONF_DIR, compose_config
-from rnnlab.cells import CELLS, LinearCell
+from rnnlab.cells import CELLS, SequenceCell
 
 ZOOS = ["zoo_parity", "zoo_selective_copy", "zoo_mqar"]
 PACKAGE_CELLS = sorted(name for name, cls in CELLS.items() if cls.__module__.startswith("rnnlab."))
@@ -22,5 +22,5 @@ def test_a_zoo_sweeps_every_cell_with_the_block_it_needs(zoo):
         config = compose_config([f"experiment={zoo}", f"model={cell}"])
         assert config.data.task == zoo.removeprefix("zoo_") and config.model.cell == cell
         assert config.data.eval_seq_lens and max(config.data.eval_seq_lens) > config.data.seq_len
-        linear = issubclass(CELLS[cell], LinearCell)
-        assert config.model.block == ("residual" if linear else "plain")
+        whole_sequence = issubclass(CELLS[cell], SequenceCell)
+        assert config.model.block == ("residual" if whole_sequence else "plain")

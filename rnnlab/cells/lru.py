@@ -78,7 +78,7 @@ class LRU(LinearCell):
         y = jnp.real(hs).astype(dtype) @ params["C_re"] - jnp.imag(hs).astype(dtype) @ params["C_im"]
         return y + params["D"] * x
 
-    def state_size(self, seq_len):
+    def state_floats(self, seq_len):
         return 2 * self.hidden_dim  # complex
 
     def mixing_flops(self, seq_len, time_scan):

@@ -35,7 +35,7 @@ class LSTM(Cell):
         zeros = jnp.zeros_like(like, shape=(like.shape[0], self.hidden_dim))
         return zeros, zeros
 
-    def state_size(self, seq_len):
+    def state_floats(self, seq_len):
         return 2 * self.hidden_dim  # c and h
 
     def step(self, params, carry, u):

@@ -122,7 +122,7 @@ class Cell:
         """W, the width of the input term u = x W_xh + b the layer computes for this cell."""
         return self.num_gates * self.hidden_dim
 
-    def state_size(self, seq_len: int) -> int:
+    def state_floats(self, seq_len: int) -> int:
         """Floats of recurrent state one layer keeps per example after `seq_len` steps (what a
         recurrent model remembers its past in; Zoology plots recall against it)."""
         return self.hidden_dim
