@@ -12,8 +12,9 @@ cost, forward:
                                              into layer 0's W_xh (rnnlab.models.folds_projection)
     per layer          R                     the cell's step, inside the time scan (0 for a cell
                                              linear in its state)
-                       + the cell's own      `Cell.mixing_flops` (the LRU's Re(h C): 4 H^2; the
-                                             matrix-state cells' and attention's maps and products)
+                       + the cell's own      `Cell.mixing_flops` per sequence, over T (the LRU's
+                                             Re(h C): 4 H^2 T; matrix-state cells' and attention's
+                                             maps, scores and chunk products)
                        + 12 * H^2            `model.block=residual`: the gated MLP (3 [H, 2H] matmuls)
     layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
@@ -101,8 +102,11 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     cell = model.make_cell()
     h, gh, layers = model.hidden_dim, cell.input_width, model.num_layers
     matmul = 2 * h * gh  # one [H, W] input weight applied to one token
-    # Per layer besides its input term: the cell's recurrent matmul, its other matmuls, the residual MLP.
-    per_layer = cell.recurrent_flops() + cell.mixing_flops(seq_len, model.time_scan)
+    # Per layer and token besides its input term: the cell's recurrent matmul, the residual MLP; per
+    # layer and sequence: the cell's other matmuls (`Cell.mixing_flops`, which may depend on the length).
+    per_layer = cell.recurrent_flops()
+    sequences = tokens // seq_len
+    mixing = layers * cell.mixing_flops(seq_len, model.time_scan) * sequences
     if model.block == "residual":
         per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
     readout = 2 * h * output_dim
@@ -119,7 +123,9 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     backward = 2 * forward - data_input
     # Remat reruns the scanned step: the cell's step and the input matmul (inside the scan on the autodiff path).
     recompute = layers * cell.recurrent_flops() + first_input + (layers - 1) * matmul if model.remat else 0
-    return StepFlops(forward * tokens + per_step_forward, backward * tokens + per_step_backward, recompute * tokens)
+    recompute_mixing = layers * cell.mixing_recompute_flops(seq_len, model.time_scan) * sequences
+    return StepFlops(forward * tokens + mixing + per_step_forward, backward * tokens + 2 * mixing + per_step_backward,
+                     recompute * tokens + recompute_mixing)
 
 
 def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int, seq_len: int) -> int:

@@ -58,8 +58,12 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
         lower = jnp.pad(lower, [(0, 0)] * (lower.ndim - 2) + [(0, size - chunk)] * 2)
         lower = lower + jnp.diag(jnp.arange(size) >= chunk).astype(lower.dtype)
     lead = lower.shape[:-2]
-    inv = jnp.ones((*lead, size, 1, 1), lower.dtype)  # inverses of the diagonal blocks, width 1 first
-    width = 1
+    if size == 1:
+        return jnp.ones_like(lower)
+    # The 2x2 diagonal blocks [[1, 0], [l, 1]] invert to [[1, 0], [-l, 1]]: no product needed.
+    pairs = jnp.diagonal(lower.reshape(*lead, size // 2, 2, size // 2, 2), axis1=-4, axis2=-2)
+    inv = jnp.eye(2, dtype=lower.dtype) - jnp.moveaxis(pairs, -1, -3) * jnp.array([[0, 0], [1, 0]], lower.dtype)
+    width = 2
     while width < size:
         n = size // (2 * width)
         blocks = jnp.diagonal(lower.reshape(*lead, n, 2 * width, n, 2 * width), axis1=-4, axis2=-2)

@@ -82,4 +82,4 @@ class LRU(LinearCell):
         return 2 * self.hidden_dim  # complex
 
     def mixing_flops(self, seq_len, time_scan):
-        return 2 * 2 * self.hidden_dim * self.hidden_dim  # Re(h C) as two real [H, H] matmuls
+        return 2 * 2 * self.hidden_dim * self.hidden_dim * seq_len  # Re(h C) as two real [H, H] matmuls

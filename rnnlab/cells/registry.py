@@ -179,9 +179,13 @@ class Cell:
         return None
 
     def mixing_flops(self, seq_len: int, time_scan: str) -> int:
-        """Forward matmul FLOPs per token of the cell's work outside `step` and outside the layer's input
-        term (a `SequenceCell`'s `mix`: its output maps, attention scores, chunk matmuls), for
-        sequences of `seq_len` steps mixed by `time_scan`; each has a backward of twice its size."""
+        """Forward matmul FLOPs, for one example of `seq_len` steps mixed by `time_scan`, of the cell's
+        work outside `step` and the layer's input term (a `SequenceCell`'s `mix`: output maps,
+        attention scores, chunk products); each has a backward of twice its size."""
+        return 0
+
+    def mixing_recompute_flops(self, seq_len: int, time_scan: str) -> int:
+        """Matmul FLOPs the backward reruns of that work (forms that checkpoint their state), per example."""
         return 0
 
     def recurrent_flops(self) -> int:

@@ -1,0 +1,100 @@
+"""DeltaNet (Schlag, Irie and Schmidhuber 2021; trained in chunks by Yang et al. 2024) and gated
+DeltaNet (Yang, Kautz and Hatamizadeh 2025), matrix-state cells (`rnnlab.cells.matrix`). Per head,
+S: [dk, dv], in the row convention of `rnnlab.cells.delta_rule_forms`:
+
+    S_t = alpha_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,      o_t = q_t S_t / sqrt(dk)
+    q_t, k_t L2-normalised per head;  beta_t = sigmoid(u_beta,t)  (one per head)
+    deltanet:        alpha_t = 1
+    gated_deltanet:  alpha_t = exp(-exp(A_log) softplus(u_alpha,t + dt_bias))  (one per head, Mamba-2's
+                     decay), and an output gate: y = (RMSNorm(o) * silu(g)) W_o
+
+The write replaces the value stored under k_t by beta_t of the way to v_t (the delta rule), where
+linear attention only adds. The transition is not diagonal, so there is no cheap associative form:
+`sequential` runs it one step at a time (`delta_rule_recurrent`), `chunked` is the chunkwise WY form
+(`delta_rule_chunked`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
+from rnnlab.cells.gla_forms import pow2_ceil
+from rnnlab.cells.matrix import MatrixCell, l2_normalize, padded_length
+from rnnlab.cells.registry import register_cell
+
+
+def _a_log_init(key, shape, dtype=jnp.float32):
+    """log A with A ~ U[1, 16] (gated DeltaNet's and Mamba-2's initialisation)."""
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    """softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba's initialisation of the step)."""
+    dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(1e-3), math.log(1e-1)))
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+@register_cell
+@dataclasses.dataclass(frozen=True)
+class DeltaNet(MatrixCell):
+    name = "deltanet"
+    time_scans = ("sequential", "chunked")
+    gated = False
+
+    def extra_width(self):
+        return self.num_heads * (2 if self.gated else 1)  # beta (and alpha's logit) per head
+
+    def param_specs(self):
+        specs = super().param_specs()
+        if self.gated:
+            specs |= {"A_log": ((self.num_heads,), _a_log_init), "dt_bias": ((self.num_heads,), _dt_bias_init)}
+        return specs
+
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
+        q = l2_normalize(q) / math.sqrt(self.head_dim)
+        k = l2_normalize(k)
+        heads = self.num_heads
+        beta = jax.nn.sigmoid(extra[..., :heads].astype(jnp.float32))
+        log_alpha = None
+        if self.gated:
+            step = jax.nn.softplus(extra[..., heads:].astype(jnp.float32) + params["dt_bias"])
+            log_alpha = -jnp.exp(params["A_log"]) * step
+        if time_scan == "chunked":
+            return delta_rule_chunked(q, k, v, beta, log_alpha, min(self.chunk_size, q.shape[0]))
+        return delta_rule_recurrent(q, k, v, beta, log_alpha, self.chunk_size)
+
+    def recurrence_flops(self, seq_len, time_scan):
+        d, heads = self.head_dim, self.num_heads
+        if time_scan == "sequential":  # k_t S, the rank-one write k_t^T u_t, q_t S_t per step
+            return heads * padded_length(seq_len, self.chunk_size) * 6 * d * d
+        c = min(self.chunk_size, seq_len)
+        s = pow2_ceil(c)
+        inverse = sum(2 * 2 * w**3 * (s // (2 * w)) for w in _halvings(s) if w > 1)  # X22 L21 X11 per level
+        per_chunk = (2 * c * c * d  # K K^T
+                     + inverse + 2 * c * c * 2 * d  # (I + A)^-1, then times [V | K]
+                     + 2 * c * c * d  # Q K^T
+                     + 2 * c * d * d * 3  # W S, K^T U', Q S
+                     + 2 * c * c * d)  # scores U'
+        return heads * (padded_length(seq_len, c) // c) * per_chunk
+
+    def mixing_recompute_flops(self, seq_len, time_scan):
+        d = self.head_dim  # the sequential form's backward reruns each block's state updates
+        return self.num_heads * padded_length(seq_len, self.chunk_size) * 4 * d * d if time_scan == "sequential" else 0
+
+
+def _halvings(size: int) -> list[int]:
+    return [int(w) for w in 2 ** np.arange(int(math.log2(size)))]
+
+
+@register_cell
+@dataclasses.dataclass(frozen=True)
+class GatedDeltaNet(DeltaNet):
+    name = "gated_deltanet"
+    output_gate = True
+    gated = True

@@ -1,0 +1,138 @@
+"""What the matrix-state cells share: heads, the short causal convolution on q, k and v, the
+per-head output norm with its optional gate, and the output map.
+
+A matrix-state cell keeps, per layer, example and head, a state S: [dk, dv] (dk = dv = H /
+`num_heads`) that its recurrence (`mix_heads`, one file per model) writes with k and v and
+reads with q. Around it, as the papers' layers have it (flash-linear-attention's too):
+
+    [q | k | v | extra] = u_t = x_t W_xh + b                          (extra: the model's gates)
+    q, k, v = silu(conv(q | k | v))            short causal depthwise convolution of `conv_size`
+                                               taps over time (Mamba's), 0 = neither
+    o_t = the recurrence's output per head:    [B, heads, dv]
+    y_t = (RMSNorm(o_t) * w) [* silu(g_t)]  W_o                        (w: [dv] shared by heads;
+                                               g: the output gate, for the cells that have one)
+
+`model.chunk_size` is the chunk of the chunkwise-parallel form (`model.time_scan=chunked`) and the
+block the sequential form checkpoints its state at (autodiff keeps one state per block, not one per step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from rnnlab.cells.registry import SequenceCell
+
+NORM_EPS = 1e-6
+
+
+def padded_length(seq_len: int, block: int) -> int:
+    """The length the blocked forms run over: whole blocks of min(block, seq_len) steps."""
+    block = min(block, seq_len)
+    return -(-seq_len // block) * block
+
+
+def causal_conv(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Depthwise causal convolution over time: x [T, B, C], w [K, C] -> y_t = sum_i w_i x_{t-K+1+i}."""
+    taps = w.shape[0]
+    padded = jnp.pad(x, [(taps - 1, 0), (0, 0), (0, 0)])
+    return sum(w[i] * padded[i:i + x.shape[0]] for i in range(taps))
+
+
+def rms_norm(o: jax.Array, w: jax.Array) -> jax.Array:
+    """RMSNorm over the last axis, in float32, with weight w."""
+    o32 = o.astype(jnp.float32)
+    return (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + NORM_EPS) * w).astype(o.dtype)
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    """x / |x| over the last axis (float32 norm)."""
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + NORM_EPS)).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixCell(SequenceCell):
+    """A cell with a [dk, dv] state per head. Subclasses set `name`, `extra_width` (the input term's
+    width beyond q, k and v), `output_gate`, `time_scans`, and define `mix_heads`."""
+
+    num_heads: int = 4  # heads; head width H / num_heads
+    conv_size: int = 4  # taps of the short causal convolution on q, k, v; 0 = off
+    chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
+
+    output_gate: ClassVar[bool] = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_dim // self.num_heads
+
+    def extra_width(self) -> int:
+        """Width of the model's own gates in the input term, after q, k and v."""
+        return 0
+
+    @property
+    def input_width(self) -> int:
+        return 3 * self.hidden_dim + self.extra_width() + (self.hidden_dim if self.output_gate else 0)
+
+    def state_floats(self, seq_len):
+        return self.num_heads * self.head_dim * self.head_dim
+
+    def option_problem(self):
+        if self.num_heads < 1 or self.hidden_dim % self.num_heads:
+            return (f"key 'model.num_heads': got {self.num_heads}, must be >= 1 and divide hidden_dim "
+                    f"({self.hidden_dim})")
+        if self.conv_size < 0:
+            return f"key 'model.conv_size': got {self.conv_size}, must be >= 0 (0 = no convolution)"
+        if self.chunk_size < 1:
+            return f"key 'model.chunk_size': got {self.chunk_size}, must be >= 1"
+        return None
+
+    def param_specs(self):
+        h = self.hidden_dim
+        specs = {"norm": ((self.head_dim,), nn.initializers.ones_init()),
+                 "W_o": ((h, h), nn.initializers.lecun_normal())}
+        if self.conv_size:
+            bound = 1 / math.sqrt(self.conv_size)  # torch's Conv1d default for a depthwise kernel
+            specs["conv"] = ((self.conv_size, 3 * h), _uniform(bound))
+        return specs
+
+    def input_init(self):
+        return nn.initializers.lecun_normal()
+
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
+        """q, k, v: [T, B, heads, d] after the convolution; extra: [T, B, extra_width] -> o [T, B, heads, d]."""
+        raise NotImplementedError
+
+    def mix(self, params, u, x, time_scan, unroll, recurrence):
+        h, heads = self.hidden_dim, self.num_heads
+        qkv, extra = u[..., :3 * h], u[..., 3 * h:]
+        if self.conv_size:
+            qkv = jax.nn.silu(causal_conv(qkv, params["conv"].astype(qkv.dtype)))
+        q, k, v = (a.reshape(*a.shape[:2], heads, self.head_dim) for a in jnp.split(qkv, 3, axis=-1))
+        gate = None
+        if self.output_gate:
+            extra, gate = extra[..., :-h], extra[..., -h:]
+        o = rms_norm(self.mix_heads(params, q, k, v, extra, time_scan, unroll, recurrence), params["norm"])
+        o = o.reshape(*o.shape[:2], h)
+        if gate is not None:
+            o = o * jax.nn.silu(gate)
+        return o @ params["W_o"]
+
+    def mixing_flops(self, seq_len, time_scan):
+        return 2 * self.hidden_dim * self.hidden_dim * seq_len + self.recurrence_flops(seq_len, time_scan)
+
+    def recurrence_flops(self, seq_len: int, time_scan: str) -> int:
+        """Forward matmul FLOPs of `mix_heads` in the form `time_scan`, per example of `seq_len` steps."""
+        raise NotImplementedError
+
+
+def _uniform(bound: float):
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
