@@ -79,6 +79,15 @@ OPTIONS = [
 ]
 
 
+def cell_overrides(cell, options=()):
+    """model.cell=<cell>, and its first time scan where the config's default (sequential) is not one of its
+    forms and `options` name none (attention: parallel)."""
+    scans = CELLS[cell].time_scans
+    default = [] if "sequential" in scans or any(o.startswith("model.time_scan=") for o in options) else [
+        f"model.time_scan={scans[0]}"]
+    return [f"model.cell={cell}", *default]
+
+
 def _applies(cell, options):
     """remat is for cells run step by step; a time scan for the cells that have that form."""
     cls = CELLS[cell]
@@ -96,7 +105,7 @@ FAST_OPTIONS = [(c, []) for c in PACKAGE_CELLS] + [
                          ids=lambda v: v if isinstance(v, str) else ",".join(v) or "default")
 def test_analytic_count_equals_the_traced_matmuls(cell, options):
     """Exact: every dot_general of the traced step (scan bodies times their length), remat included."""
-    step, args, config, task = step_and_args([*SMALL, f"model.cell={cell}", *options])
+    step, args, config, task = step_and_args([*SMALL, *cell_overrides(cell, options), *options])
     assert flops.jaxpr_matmul_flops(step, *args) == analytic(config, task).executed
 
 
@@ -107,14 +116,16 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     XLA also counts elementwise ops and the optimizer (not in the analytic count), a few
     percent at these sizes, so the analytic count is at most 4% below XLA's; a cell linear in its
     state has no recurrent matmul, so its elementwise share is larger (measured 5-12%): 15% there.
+    Attention's softmax and rotary embeddings measured 6%: 10% there. Mamba's selective scan is
+    elementwise work on an [E*H, N] state per token (measured 23%): 28% there.
     """
-    overrides = ["batch_size=32", "hidden_dim=128", f"num_layers={num_layers}", "data.seq_len=4", f"model.cell={cell}"]
+    overrides = ["batch_size=32", "hidden_dim=128", f"num_layers={num_layers}", "data.seq_len=4", *cell_overrides(cell)]
     step, args, config, task = step_and_args(overrides)
     with unrolled_scans():
         compiled = jax.jit(step).lower(*args).compile()
     xla = flops.xla_flops(compiled)
     model = analytic(config, task).model
-    low = 0.85 if issubclass(CELLS[cell], LinearCell) else 0.96
+    low = {"attention": 0.90, "mamba": 0.72}.get(cell, 0.85 if issubclass(CELLS[cell], LinearCell) else 0.96)
     assert low * xla <= model <= 1.005 * xla, f"analytic {model:.4g} vs XLA {xla:.4g} ({model / xla:.3f})"
 
 

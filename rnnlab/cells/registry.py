@@ -114,7 +114,7 @@ class Cell:
     # custom_vjp forward: read each step's input one iteration ahead (`rnnlab.recurrence.scan`).
     prefetch: ClassVar[bool] = False
     torch_class: ClassVar[str | None] = None  # torch.nn.<torch_class> computes the same layer, if any
-    time_scans: ClassVar[tuple[str, ...]] = ("sequential",)  # `model.time_scan` choices (associative: linear cells)
+    time_scans: ClassVar[tuple[str, ...]] = ("sequential",)  # `model.time_scan` choices (associative: linear cells; parallel: attention)
     uses_layer_input: ClassVar[bool] = False  # reads the layer's input x itself (so layer 0 gets x P + c, unfolded)
 
     @property

@@ -1,0 +1,138 @@
+"""Mamba's selective SSM block (Gu & Dao 2023, "Mamba: Linear-Time Sequence Modeling with Selective
+State Spaces", Algorithm 2 and Fig. 3). Inner width D = E*H (`model.expand` = E), state size N
+(`model.state_size`), Delta's rank R (`model.dt_rank`; 0: ceil(H / 16)), conv width K (`model.conv_size`).
+
+    [x_t, z_t] = u_t = x_in_t W_xh + b                 (x_t, z_t: [D]; the layer's input term, 2D wide)
+    x'_t = silu(conv(x)_t),  conv(x)_t = sum_{k<K} w_k * x_{t-K+1+k} + c      (depthwise, causal; w: [K, D])
+    [d_t, B_t, C_t] = x'_t W_x                          (W_x: [D, R + 2N]; d_t: [R], B_t, C_t: [N])
+    Delta_t = softplus(d_t W_dt + dt_bias)              (W_dt: [R, D]; Delta_t: [D])
+    A = -exp(A_log)                                     (A_log: [D, N])
+    h_t = exp(Delta_t A) * h_{t-1} + (Delta_t B_t) * x'_t      (h_t: [D, N]; the discretisation of
+                                                                 Mamba's code: zero-order hold for A,
+                                                                 Euler for B)
+    y_t = h_t C_t + D_skip * x'_t                       (D_skip: [D], the parameter `D`)
+    out_t = (y_t * silu(z_t)) W_out                     (W_out: [D, H])
+
+`conv_size=0` leaves the convolution out (x'_t = silu(x_t)). The recurrence is elementwise in (D, N),
+so it is `rnnlab.recurrence.linear_recurrence` over a, b: [T, B, D, N] (`model.time_scan`: sequential
+or associative; `model.recurrence=custom_vjp`: its hand-written backward, autodiff: `jax.grad` of the
+scan), run in float32 whatever `model.dtype`, as the reference implementation runs its scan.
+
+Initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every channel
+(S4D-real: A_log = log n); D_skip = 1; Delta's bias such that softplus(dt_bias) = dt, with dt
+log-uniform in [1e-3, 1e-1]; W_dt uniform in +-R^-1/2; the conv, W_x and W_out as PyTorch's
+Conv1d and Linear default, uniform in +-fan_in^-1/2. The block's in_proj is the layer's W_xh (with
+the layer's bias b, which the reference leaves out). Around it, `model.block=residual` supplies
+the pre-norm and residual (and a gated MLP, which Mamba's own stack does without).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from rnnlab.cells.registry import SequenceCell, register_cell
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Delta's initial range, and its floor (the reference's)
+
+
+def _fan_in_uniform(fan_in: int):
+    """PyTorch's default for Linear and Conv1d weights and biases: U(-fan_in^-1/2, fan_in^-1/2)."""
+    bound = 1 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def _dt_bias_init(key, shape, dtype=jnp.float32):
+    """Inverse softplus of dt, dt log-uniform in [DT_MIN, DT_MAX]."""
+    dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(DT_MIN), math.log(DT_MAX)))
+    dt = jnp.maximum(dt, DT_FLOOR)
+    return dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt) = log(exp(dt) - 1)
+
+
+def _a_log_init(key, shape, dtype=jnp.float32):
+    del key
+    return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[1] + 1, dtype=dtype)), shape)  # S4D-real: A = -(1..N)
+
+
+def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
+    """Depthwise causal convolution over time: x [T, B, D], w [K, D], bias [D] -> [T, B, D] with
+    out_t = sum_k w_k * x_{t-K+1+k} + bias (x before step 0 is zero). Elementwise, K shifted products."""
+    width, length = w.shape[0], x.shape[0]
+    padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
+    return sum(padded[k:k + length] * w[k] for k in range(width)) + bias
+
+
+@register_cell
+@dataclasses.dataclass(frozen=True)
+class Mamba(SequenceCell):
+    state_size: int = 16  # N: the SSM state per channel
+    conv_size: int = 4  # K: width of the short causal depthwise convolution; 0 = none
+    expand: int = 2  # E: inner width E * hidden_dim
+    dt_rank: int = 0  # R: rank of Delta's input map; 0 = ceil(hidden_dim / 16)
+
+    name = "mamba"
+    time_scans = ("sequential", "associative")
+
+    @property
+    def inner(self) -> int:
+        return self.expand * self.hidden_dim
+
+    @property
+    def rank(self) -> int:
+        return self.dt_rank or math.ceil(self.hidden_dim / 16)
+
+    @property
+    def input_width(self) -> int:
+        return 2 * self.inner  # the x branch and the gate z
+
+    def param_specs(self):
+        d, n, r = self.inner, self.state_size, self.rank
+        specs = {}
+        if self.conv_size:
+            specs["conv_w"] = ((self.conv_size, d), _fan_in_uniform(self.conv_size))
+            specs["conv_b"] = ((d,), _fan_in_uniform(self.conv_size))
+        return {**specs,
+                "W_x": ((d, r + 2 * n), _fan_in_uniform(d)),
+                "W_dt": ((r, d), _fan_in_uniform(r)),  # U(+-R^-1/2): the reference's dt_init="random"
+                "dt_bias": ((d,), _dt_bias_init),
+                "A_log": ((d, n), _a_log_init),
+                "D": ((d,), jax.nn.initializers.ones),
+                "W_out": ((d, self.hidden_dim), _fan_in_uniform(d))}
+
+    def option_problem(self):
+        for key, low in (("state_size", 1), ("conv_size", 0), ("expand", 1), ("dt_rank", 0)):
+            if getattr(self, key) < low:
+                return f"key 'model.{key}': got {getattr(self, key)}, must be >= {low}"
+        return None
+
+    def mix(self, params, u, x, time_scan, unroll, recurrence):
+        """u: [T, B, 2D] -> [T, B, H]."""
+        from rnnlab.recurrence import linear_recurrence, scan_linear  # (it imports the registry's types)
+
+        xs, z = jnp.split(u, 2, axis=-1)
+        if self.conv_size:
+            xs = causal_conv(xs, params["conv_w"], params["conv_b"])
+        xs = jax.nn.silu(xs)
+        d_low, b_in, c_out = jnp.split(xs @ params["W_x"], [self.rank, self.rank + self.state_size], axis=-1)
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
+        delta = jax.nn.softplus(f32(d_low @ params["W_dt"]) + f32(params["dt_bias"]))  # [T, B, D]
+        a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
+        b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
+        hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
+        y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1) + f32(params["D"]) * f32(xs)  # h_t C_t: elementwise
+        return (y.astype(u.dtype) * jax.nn.silu(z)) @ params["W_out"]
+
+    def state_floats(self, seq_len):
+        return self.inner * self.state_size  # h: [D, N] (the conv's last K-1 inputs are not counted)
+
+    def mixing_flops(self, seq_len, time_scan):
+        # x' W_x, d W_dt and the output map; the conv, the scan and h_t C_t are elementwise work (not counted).
+        d, n, r = self.inner, self.state_size, self.rank
+        return 2 * d * (r + 2 * n) + 2 * r * d + 2 * d * self.hidden_dim
