@@ -87,5 +87,5 @@ class Attention(SequenceCell):
 
     def mixing_flops(self, seq_len, time_scan):
         # Per token: q_t against all T keys (2 T d per head: 2 T H), the same for p_t V (the full T x T,
-        # masked half included, as computed), and o_t W_o (2 H^2).
-        return 4 * seq_len * self.hidden_dim + 2 * self.hidden_dim * self.hidden_dim
+        # masked half included, as computed), and o_t W_o (2 H^2); T tokens per example.
+        return seq_len * (4 * seq_len * self.hidden_dim + 2 * self.hidden_dim * self.hidden_dim)

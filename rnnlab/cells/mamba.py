@@ -135,4 +135,4 @@ class Mamba(SequenceCell):
     def mixing_flops(self, seq_len, time_scan):
         # x' W_x, d W_dt and the output map; the conv, the scan and h_t C_t are elementwise work (not counted).
         d, n, r = self.inner, self.state_size, self.rank
-        return 2 * d * (r + 2 * n) + 2 * r * d + 2 * d * self.hidden_dim
+        return seq_len * (2 * d * (r + 2 * n) + 2 * r * d + 2 * d * self.hidden_dim)  # per token, T per example
