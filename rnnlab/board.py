@@ -16,7 +16,9 @@ from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndI
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
 
 # Shown for every run, whatever the sweep: what a reader of a results table asks first.
-HPARAM_KEYS = ("model.cell", "hidden_dim", "num_layers", "optimizer.lr", "batch_size", "data.task", "data.seq_len")
+# The fixed HParams; state_floats is the cell's recurrent state per layer (`Cell.state_floats`), not a config key.
+HPARAM_KEYS = ("model.cell", "hidden_dim", "num_layers", "optimizer.lr", "batch_size", "data.task", "data.seq_len",
+               "state_floats")
 # A config-group override (`model=lstm`) names the group; the flat key that holds its choice:
 GROUP_KEYS = {"model": "model.cell", "data": "data.task", "optimizer": "optimizer.name", "device": "device.platform"}
 DIFFERS_TRUE = bytes([7 << 3 | 0, 1])  # HParamInfo.differs = true: field 7, varint, value 1

@@ -79,6 +79,11 @@ class Run:
     predict: Callable | None = None  # the jitted forward pass of `write_examples`
     gradient_probe: Callable | None = None  # steps.make_gradient_probe, with log.histograms_every > 0
 
+    @property
+    def state_floats(self) -> int:
+        """Floats of recurrent state per layer and example at the training length (`Cell.state_floats`)."""
+        return self.config.model.make_cell().state_floats(self.task.total_len)
+
     def host_metrics(self, dispatches: list[tuple[int, jax.Array]]) -> list[dict[str, float]]:
         """(n, stacked metrics) of dispatches (replicated layout) -> one dict of host floats per
         step, in order. Waits for those dispatches; the copies all start at once."""
@@ -201,7 +206,7 @@ class Run:
                                      for name in ("loss", *self.task.metric_names)}
                             for n in self.config.data.eval_seq_lens},
             "baseline_loss": self.task.baseline_loss,
-            "num_params": num_params, "num_devices": len(self.devices), "steps_per_dispatch": self.steps_per_dispatch,
+            "num_params": num_params, "state_floats": self.state_floats, "num_devices": len(self.devices), "steps_per_dispatch": self.steps_per_dispatch,
             "platform": self.devices[0].platform, "tokens_per_step": self.tokens_per_step,
             "tokens_per_sec": tokens_per_sec, "flops_per_step": self.flops_per_step, "flops_per_sec": flops_per_sec,
             "mfu": flops.mfu(flops_per_sec, self.peak_flops, self.devices),

@@ -244,7 +244,8 @@ def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = (), var
         progress=ProgressBar(config.steps, start_step),
         gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
     )
-    describe_run(run.writer, cfg.to_dict(config), cfg.flatten(config), overrides, varied, hparam_metric_tags(
+    flat = cfg.flatten(config) | {"state_floats": run.state_floats}
+    describe_run(run.writer, cfg.to_dict(config), flat, overrides, varied, hparam_metric_tags(
         task.metric_names, config.data.eval_seq_lens), task.metric_names, config.data.eval_seq_lens,
         layer_norms=config.log.histograms_every > 0)
     return run

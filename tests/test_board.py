@@ -50,8 +50,9 @@ def test_hparams_session_holds_the_subset_the_metrics_and_the_status(board_run):
     start = plugin_data(events, "hparams", "_hparams_/session_start_info", plugin_data_pb2.HParamsPluginData)
     assert set(start.session_start_info.hparams) == {  # a proto map: no order
         "model.cell", "optimizer.warmup_steps", "hidden_dim", "num_layers", "optimizer.lr", "batch_size",
-        "data.task", "data.seq_len"}
+        "data.task", "data.seq_len", "state_floats"}
     assert start.session_start_info.hparams["model.cell"].string_value == "gru"
+    assert start.session_start_info.hparams["state_floats"].number_value == results["state_floats"]
     experiment = plugin_data(events, "hparams", "_hparams_/experiment", plugin_data_pb2.HParamsPluginData)
     assert [h.name for h in experiment.experiment.hparam_infos][:2] == ["model.cell", "optimizer.warmup_steps"]
     # The varied keys are marked as differing (TensorBoard lists them first); steps, set but not varied, is text only.

@@ -17,7 +17,7 @@ from rnnlab.trainer import train_and_evaluate
 
 RESULT_KEYS = {
     "status", "step", "train_loss", "eval_loss", "eval_metric", "baseline_loss", "num_params", "num_devices",
-    "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "wall_seconds",
+    "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "wall_seconds", "state_floats",
 }
 TB_TAGS = {
     "train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/mse",
@@ -70,6 +70,7 @@ def test_results_json_has_the_documented_keys(tiny_run):
     assert RESULT_KEYS <= set(on_disk)
     assert on_disk["status"] == "completed" and on_disk["step"] == 6 and on_disk["num_devices"] == 1
     assert on_disk["baseline_loss"] == pytest.approx(1 / 6)
+    assert on_disk["state_floats"] == 8  # the Elman cell's h, H = 8
     assert on_disk["tokens_per_sec"] > 0 and on_disk["compile_seconds"] > 0
     assert on_disk["eval_loss"] == pytest.approx(results["eval_loss"])
 
