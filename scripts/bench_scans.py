@@ -1,18 +1,20 @@
-"""Every cell at one width and depth over long sequences: the time scans, the hand-written backward
-of the linear recurrence against autodiff, memory and compile time.
+"""Every cell at one width and depth over long sequences, in each of its forms (`model.time_scan`):
+tokens/s, memory and compile time.
 
-    python scripts/bench_scans.py                                    # the full table (about 20 min on 2 cores)
-    python scripts/bench_scans.py --cells gru mingru --seq-lens 1024 --repeats 3
+    python scripts/bench_scans.py                                    # the full table (long: about an hour on 2 cores)
+    python scripts/bench_scans.py --cells gla deltanet --seq-lens 1024 --repeats 3
+    python scripts/bench_scans.py --cells mingru --recurrences custom_vjp autodiff   # both backwards
     python scripts/bench_scans.py --compile-layers 2 8 16            # compile seconds against depth only
 
 Each row is rnnlab's train step as `scripts/benchmark.py`'s bare-step column times it (one
 `train_step` per call under `jax.pmap` on one device, Adam, the adding task, H=256, B=16, L=2 by
-default, `model.block=plain` for every cell so that rows differ only in the recurrence), with:
-tokens/s (median of `--repeats`), the compiled step's memory from XLA's memory analysis
-(arguments + outputs not aliased to them + temporaries: the step's peak as XLA plans it) and its
-compile seconds. Classic cells run `sequential` with their hand-written backward; each linear
-cell runs both time scans, each with the linear recurrence's hand-written backward
-(`custom_vjp`) and with autodiff through the scan. Results also go to `--json`.
+default, `model.block=plain` for every cell so that rows differ only in the time mixer, the
+matrix-state cells and attention with their configs' heads and chunk), with: tokens/s (median of
+`--repeats`), the compiled step's memory from XLA's memory analysis (arguments + outputs not aliased
+to them + temporaries: the step's peak as XLA plans it) and its compile seconds. Each cell runs
+every form it has (`Cell.time_scans`, narrowed by `--scans`), with its config's `model.recurrence`
+or each of `--recurrences`. A step that would not fit in free memory is compiled, not run, and its
+row says so. Results also go to `--json`.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import jax  # noqa: E402
 
 from benchmark import RnnlabStep, compose, load  # noqa: E402  (scripts/benchmark.py)
-from rnnlab.cells import LinearCell, cell_names, get_cell  # noqa: E402
+from rnnlab import memory  # noqa: E402
+from rnnlab.cells import cell_names, get_cell  # noqa: E402
 
 MIB = 2**20
 
 
-def variants(cell: str, scans: list[str], recurrences: list[str]) -> list[tuple[str, str]]:
-    """(time_scan, recurrence) pairs a cell runs: classic cells only (sequential, custom_vjp)."""
-    if not issubclass(get_cell(cell), LinearCell):
-        return [("sequential", "custom_vjp")]
-    return [(s, r) for s in scans for r in recurrences]
+def variants(cell: str, scans: list[str], recurrences: list[str]) -> list[tuple[str, str | None]]:
+    """(time_scan, recurrence) pairs a cell runs: each of its forms in `scans` (all, if none is), with
+    each of `recurrences`, or with its config's (None)."""
+    forms = [s for s in get_cell(cell).time_scans if not scans or s in scans]
+    return [(s, r) for s in forms for r in (recurrences or [None])]
 
 
 def step_bytes(compiled) -> float:
@@ -50,10 +53,16 @@ def step_bytes(compiled) -> float:
 
 
 def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
-    extra = [f"model.time_scan={time_scan}", f"model.recurrence={recurrence}", "model.block=plain",
-             "device.num_devices=1"]
+    extra = [f"model.time_scan={time_scan}", "model.block=plain", "device.num_devices=1"]
+    extra += [f"model.recurrence={recurrence}"] if recurrence else []
     config = compose(cell, args.hidden, args.batch, t, args.layers, extra)
     step = RnnlabStep(config)
+    row = {"cell": cell, "time_scan": time_scan, "recurrence": config.model.recurrence, "T": t, "H": args.hidden,
+           "B": args.batch, "L": args.layers, "memory_mib": step_bytes(step.p_step) / MIB,
+           "compile_seconds": step.compile_seconds, "load": load()}
+    free = memory.free_bytes(step.devices)
+    if free is not None and row["memory_mib"] * MIB > 0.9 * free:
+        return row | {"ms_per_step": None, "tokens_per_sec": None, "skipped": f"needs {row['memory_mib']:,.0f} MiB"}
     seconds_per_step = []
     step(1)  # warm up
     for _ in range(args.repeats):
@@ -67,10 +76,7 @@ def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
             elapsed = time.perf_counter() - t0
         seconds_per_step.append(elapsed / n)
     median = statistics.median(seconds_per_step)
-    return {"cell": cell, "time_scan": time_scan, "recurrence": recurrence, "T": t, "H": args.hidden,
-            "B": args.batch, "L": args.layers, "ms_per_step": 1e3 * median,
-            "tokens_per_sec": args.batch * t / median, "memory_mib": step_bytes(step.p_step) / MIB,
-            "compile_seconds": step.compile_seconds, "load": load()}
+    return row | {"ms_per_step": 1e3 * median, "tokens_per_sec": args.batch * t / median, "load": load()}
 
 
 def compile_rows(args) -> list[dict]:
@@ -92,8 +98,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--scans", nargs="+", default=["sequential", "associative"])
-    parser.add_argument("--recurrences", nargs="+", default=["custom_vjp", "autodiff"])
+    parser.add_argument("--scans", nargs="*", default=[], help="forms to run (default: every form of each cell)")
+    parser.add_argument("--recurrences", nargs="*", default=[], help="model.recurrence values (default: the config's)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-seconds", type=float, default=0.5)
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only compile seconds for these num_layers")
@@ -105,16 +111,17 @@ def main(argv: list[str] | None = None) -> dict:
         result = {"compile": compile_rows(args)}
     else:
         rows = []
-        print(f"{'cell':8} {'scan':11} {'backward':10} {'T':>5} {'ms/step':>9} {'tokens/s':>10} "
+        print(f"{'cell':16} {'scan':11} {'backward':10} {'T':>5} {'ms/step':>9} {'tokens/s':>10} "
               f"{'memory MiB':>10} {'compile s':>9}")
         for t in args.seq_lens:
             for cell in args.cells:
                 for time_scan, recurrence in variants(cell, args.scans, args.recurrences):
                     row = time_row(cell, time_scan, recurrence, args, t)
                     rows.append(row)
-                    print(f"{cell:8} {time_scan:11} {recurrence:10} {t:5d} {row['ms_per_step']:9.2f} "
-                          f"{row['tokens_per_sec']:10,.0f} {row['memory_mib']:10.1f} {row['compile_seconds']:9.2f}"
-                          f" | load {row['load']:.2f}", flush=True)
+                    timing = (f"{row['ms_per_step']:9.2f} {row['tokens_per_sec']:10,.0f}" if row["tokens_per_sec"]
+                              else f"{'not run:':>9} {'too big':>10}")
+                    print(f"{cell:16} {time_scan:11} {row['recurrence']:10} {t:5d} {timing} "
+                          f"{row['memory_mib']:10.1f} {row['compile_seconds']:9.2f} | load {row['load']:.2f}", flush=True)
         result = {"rows": rows}
     result["device"] = f"{device.platform}:{device.device_kind}"
     args.json.write_text(json.dumps(result, indent=1))
