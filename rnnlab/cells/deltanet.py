@@ -21,7 +21,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import pow2_ceil
@@ -75,7 +74,8 @@ class DeltaNet(MatrixCell):
             return heads * padded_length(seq_len, self.chunk_size) * 6 * d * d
         c = min(self.chunk_size, seq_len)
         s = pow2_ceil(c)
-        inverse = sum(2 * 2 * w**3 * (s // (2 * w)) for w in _halvings(s) if w > 1)  # X22 L21 X11 per level
+        widths = [2**i for i in range(1, s.bit_length() - 1)]  # the inverse's levels past the 2x2 blocks
+        inverse = sum(2 * 2 * w**3 * (s // (2 * w)) for w in widths)  # X22 L21 X11 per level
         per_chunk = (2 * c * c * d  # K K^T
                      + inverse + 2 * c * c * 2 * d  # (I + A)^-1, then times [V | K]
                      + 2 * c * c * d  # Q K^T
@@ -86,10 +86,6 @@ class DeltaNet(MatrixCell):
     def mixing_recompute_flops(self, seq_len, time_scan):
         d = self.head_dim  # the sequential form's backward reruns each block's state updates
         return self.num_heads * padded_length(seq_len, self.chunk_size) * 4 * d * d if time_scan == "sequential" else 0
-
-
-def _halvings(size: int) -> list[int]:
-    return [int(w) for w in 2 ** np.arange(int(math.log2(size)))]
 
 
 @register_cell
