@@ -71,7 +71,6 @@ from typing import Any, Callable
 import numpy as np
 
 from rnnlab import cpu, files, models
-from rnnlab.cells import get_cell
 from rnnlab.config import ModelConfig
 
 log = logging.getLogger(__name__)
