@@ -138,7 +138,7 @@ def test_folding_the_input_projection_halves_a_one_layer_step(monkeypatch):
     overrides = ["model.cell=lstm", "hidden_dim=64", "num_layers=1", "batch_size=8", "data.seq_len=16"]
     step, args, config, task = step_and_args(overrides)
     folded = flops.jaxpr_matmul_flops(step, *args)
-    monkeypatch.setattr(models, "folds_projection", lambda input_dim, hidden_dim: False)
+    monkeypatch.setattr(models, "folds_projection", lambda input_dim, hidden_dim, tokens=None: False)
     step, args, config, task = step_and_args(overrides)
     unfolded = flops.jaxpr_matmul_flops(step, *args)
     assert unfolded == analytic(config, task).executed  # the count follows the model either way
