@@ -30,8 +30,16 @@ and `c W_xh` (2 * H * G*H, c the projection's bias), forward, and twice that bac
 layer needs the projected input itself (a residual block, the LRU, the RG-LRU:
 `models.folds_first_layer`), the projection runs as its own matmul instead: `2 * I * H` forward and backward
 per token, plus the first layer's `2 * H * G*H` like the others. A step is the per-token
-count times `B * T` (global batch) plus the per-step terms. This is exact:
-`jaxpr_matmul_flops` counts the `dot_general`s of the traced step (scan bodies times
+count times `B * T` (global batch) plus the per-step terms.
+
+Token ids (the symbol tasks' inputs, `Task.token_inputs`): embedding them is a gather of rows,
+which is no matmul and costs nothing here, forward or backward (a scatter-add). Folded, the
+first layer's input term is that gather (0 per token) and the per-step products are as above;
+not folded (`models.folds_projection`: where I + 1 >= the ids of one device's step, or the
+first layer needs x P + c), the projection costs 0 and the first layer's `2 * H * G*H` input
+matmul has its full backward (its dx feeds P's gradient): nothing is data, backward = 2 * forward.
+
+This is exact: `jaxpr_matmul_flops` counts the `dot_general`s of the traced step (scan bodies times
 their length) and tests/test_flops.py checks the two agree for every cell and option.
 
 Not counted: elementwise work (bias adds, gate nonlinearities and products, the loss,
@@ -95,9 +103,12 @@ class StepFlops:
         return self.model + self.recompute
 
 
-def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int, seq_len: int) -> StepFlops:
+def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int, seq_len: int,
+               token_inputs: bool = False, devices: int = 1) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps of sequences of `seq_len`
-    steps (see the module docstring)."""
+    steps (see the module docstring); `token_inputs`: the inputs are token ids of `input_dim`
+    symbols, else `input_dim` floats; `devices`: the data-parallel devices the step is split over
+    (each embeds tokens / devices ids, which decides the fold of ids)."""
     cell = model.make_cell()
     h, gh, layers = model.hidden_dim, cell.input_width, model.num_layers
     matmul = 2 * h * gh  # one [H, W] input weight applied to one token
@@ -109,14 +120,15 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     if model.block == "residual":
         per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
     readout = 2 * h * output_dim
-    if models.folds_first_layer(model, input_dim):
-        first_input = data_input = 2 * input_dim * gh  # x (P W_xh); its input is data: no dX
+    if models.folds_first_layer(model, input_dim, tokens // devices if token_inputs else None):
+        # x (P W_xh): its input is data, no dX; for token ids a gather, no matmul at all.
+        first_input = data_input = 0 if token_inputs else 2 * input_dim * gh
         projection = 0
         fold = 2 * input_dim * h * gh + matmul  # P W_xh and c W_xh, once per step
         per_step_forward, per_step_backward = fold, 2 * fold
     else:
-        first_input = matmul  # x_1 W_xh of layer 0, after x_1 = x P + c
-        projection = data_input = 2 * input_dim * h
+        first_input = matmul  # x_1 W_xh of layer 0, after x_1 = x P + c (token ids: a gather of P's rows)
+        projection = data_input = 0 if token_inputs else 2 * input_dim * h
         per_step_forward = per_step_backward = 0
     forward = projection + first_input + layers * per_layer + (layers - 1) * matmul + readout
     backward = 2 * forward - data_input
@@ -127,9 +139,11 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
                      recompute * tokens + recompute_mixing)
 
 
-def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int, seq_len: int) -> int:
-    """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x `seq_len`."""
-    return step_flops(model, input_dim, output_dim, tokens_per_step, seq_len).model
+def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int, seq_len: int,
+                     token_inputs: bool = False, devices: int = 1) -> int:
+    """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x `seq_len`
+    (`step_flops`' arguments)."""
+    return step_flops(model, input_dim, output_dim, tokens_per_step, seq_len, token_inputs, devices).model
 
 
 # --- FLOPs as JAX and XLA see them (for cross-checks and the benchmark) ---------------------------

@@ -17,6 +17,10 @@ the function is the same, the work much smaller. With `scan_layers=false` the st
 a Python loop and layer i lives under `layer_{i}/` with the same leaves, unstacked;
 `stack_layer_params` converts. Parameters are float32 whatever `model.dtype`; with
 bfloat16 they are cast at use and the readout's output is cast back to float32 for the loss.
+
+The input is floats f32[B, T, I] or, from a symbol task, token ids int32[B, T] (I symbols,
+id I a padded step), which the projection embeds: a gather of its kernel's rows (`embed`),
+the values a one-hot matmul gives, without the [B, T, I] one-hot.
 """
 
 from __future__ import annotations
@@ -46,27 +50,56 @@ def default_unroll(platform: str) -> int:
     return 1 if platform == "cpu" else 8
 
 
-def folds_projection(input_dim: int, hidden_dim: int) -> bool:
+def folds_projection(input_dim: int, hidden_dim: int, tokens: int | None = None) -> bool:
     """Whether the first layer folds the input projection into its input weights.
 
     The projection is linear and nothing stands between it and the first layer's
-    input matmul, so `(x P + c) W_xh + b = x (P W_xh) + (c W_xh + b)`. Per token the
-    folded form costs one [I, G*H] matmul forward and one backward (the gradient of
-    `P W_xh`; x is data), against [I, H] + [H, G*H] forward and [I, H] + two
-    [H, G*H]-sized ones backward; the fold's own products (`P W_xh`, their gradients)
-    are per step, not per token. Per token that is 2 I G H against 2 I H + 3 G H^2
-    multiply-adds: folding is cheaper whenever I < 3GH / (2(G - 1)), always for a
-    cell with G = 1, and the rule here, I < 2H, is within that bound for every cell (the
-    tasks here have I = 2 or 10).
+    input matmul, so `(x P + c) W_xh + b = x (P W_xh) + (c W_xh + b)`.
+
+    Float inputs (`tokens` None): per token the folded form costs one [I, G*H] matmul
+    forward and one backward (the gradient of `P W_xh`; x is data), against [I, H] +
+    [H, G*H] forward and [I, H] + two [H, G*H]-sized ones backward; the fold's own products
+    (`P W_xh`, their gradients) are per step, not per token. Per token that is 2 I G H
+    against 2 I H + 3 G H^2 multiply-adds: folding is cheaper whenever
+    I < 3GH / (2(G - 1)), always for a cell with G = 1, and the rule here, I < 2H, is
+    within that bound for every cell (the continuous task here has I = 2).
+
+    Token ids (`tokens`: how many ids a step embeds on one device, B * T): both forms gather
+    rows, which is no matmul: of P (then x_1 W_xh per token) or of the folded P W_xh. So the
+    fold saves per token the first layer's input matmul, 2 H G*H forward and twice that
+    backward (its dx, which P's gradient needs, and dW_xh), and adds per step its products
+    `P W_xh` and `c W_xh`, 2 (I + 1) H G*H forward and twice that backward. It folds where
+    that is cheaper, I + 1 < tokens: a small vocabulary does, Zoology's 8,192 symbols at a
+    step of 2,048 tokens does not.
     """
+    if tokens is not None:
+        return input_dim + 1 < tokens
     return input_dim < 2 * hidden_dim
 
 
-def folds_first_layer(config: ModelConfig, input_dim: int) -> bool:
-    """Whether this model's first layer folds the input projection (`folds_projection`): not where
-    a residual block or the cell itself needs the projected input x P + c."""
+def folds_first_layer(config: ModelConfig, input_dim: int, tokens: int | None = None) -> bool:
+    """Whether this model's first layer folds the input projection (`folds_projection`; `tokens`:
+    the token ids of a step on one device, None for float inputs): not where a residual block or
+    the cell itself needs the projected input x P + c."""
     cell = get_cell(config.cell)
-    return config.block == "plain" and not cell.uses_layer_input and folds_projection(input_dim, config.hidden_dim)
+    return (config.block == "plain" and not cell.uses_layer_input
+            and folds_projection(input_dim, config.hidden_dim, tokens=tokens))
+
+
+def is_token_ids(x: jax.Array) -> bool:
+    """Whether a model input is token ids (integers) rather than float features."""
+    return jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def embed(ids: jax.Array, table: jax.Array) -> jax.Array:
+    """ids: int[...] in [0, K), table: [K, N] -> table[ids]: [..., N], zeros for an id out of range (a
+    padded step's `Task.padding_id`, K): `one_hot(ids, K) @ table` as a gather, its gradient a scatter-add."""
+    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
+
+
+def project(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w for float inputs x [..., K]; for token ids x int[...], the same as their one-hot's (`embed`)."""
+    return embed(x, w) if is_token_ids(x) else x @ w
 
 
 def fold_projection(projection: tuple[jax.Array, jax.Array], w_xh: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -110,7 +143,9 @@ class RecurrentLayer(nn.Module):
     it. Call signature `(carry, unused) -> (carry, None)` so the layer itself can be
     scanned over the stack; the carry is the sequence. The first layer of a model gets the
     raw input and the input projection's `(kernel, bias)` as `projection`, and folds them
-    into its input weights (`fold_projection`).
+    into its input weights (`fold_projection`) where that is cheaper (`folds_projection`).
+    Given token ids, its input term is a gather: of the folded table's rows, or of the
+    kernel's, then `x_1 W_xh` as for any layer.
     """
 
     hidden_dim: int
@@ -129,7 +164,7 @@ class RecurrentLayer(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
-        """x: [T, B, I] -> ([T, B, H] in the compute dtype, None).
+        """x: [T, B, I], or with `projection` token ids int32[T, B] -> ([T, B, H] in the compute dtype, None).
 
         projection: None, or the input projection's (kernel f32[I, H], bias f32[H]), which
         this layer applies before its own input weights W_xh: f32[H, G*H].
@@ -141,29 +176,36 @@ class RecurrentLayer(nn.Module):
         w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
         b = self.param("b", cell.bias_init(), (width,))
         params = CellParams(cell, name="cell")()
-        if projection is not None and not cell.uses_layer_input and folds_projection(x.shape[-1], self.hidden_dim):
-            w_xh, b = fold_projection(projection, w_xh, b)
+        ids = is_token_ids(x)
+        if projection is not None and not cell.uses_layer_input and folds_projection(
+                projection[0].shape[0], self.hidden_dim, tokens=x.size if ids else None):
+            w_xh, b = fold_projection(projection, w_xh, b)  # token ids: their input term is a gather of P W_xh
         elif projection is not None:
             kernel, bias = (a.astype(self.dtype) for a in projection)
-            x = x.astype(self.dtype) @ kernel + bias
-        x, w_xh, b = x.astype(self.dtype), w_xh.astype(self.dtype), b.astype(self.dtype)
+            x, ids = project(x if ids else x.astype(self.dtype), kernel) + bias, False
+        x = x if ids else x.astype(self.dtype)
+        w_xh, b = w_xh.astype(self.dtype), b.astype(self.dtype)
         params = jax.tree_util.tree_map(lambda p: p.astype(self.dtype), params)
+        # Every step's input term x W_xh at once. (A `mix` gets token ids as x only in a cell that never
+        # reads x: one that does, `uses_layer_input`, gets x P + c.)
+        input_term = embed if ids else linear
         if isinstance(cell, SequenceCell):  # every step's input term at once, then the cell's own form
-            hs = cell.mix(params, linear(x, w_xh) + b, x, self.time_scan, self.unroll, self.recurrence)
+            hs = cell.mix(params, input_term(x, w_xh) + b, x, self.time_scan, self.unroll, self.recurrence)
             return self._dropout(hs), None
         if self.recurrence == "custom_vjp":
-            hs = recurrence(cell, self.unroll, linear(x, w_xh), b, params)
+            hs = recurrence(cell, self.unroll, input_term(x, w_xh), b, params)
             return self._dropout(hs), None
 
         def step(carry: Any, x_t: jax.Array) -> tuple[Any, jax.Array]:
-            carry, h, _ = cell.step(params, carry, x_t @ w_xh + b)
+            carry, h, _ = cell.step(params, carry, project(x_t, w_xh) + b)
             return carry, h
 
         if self.remat:
             step = jax.checkpoint(step, prevent_cse=False)  # CSE cannot undo remat inside a scan
         # Time-major: slicing step t off a leading axis is a contiguous read (and its
         # gradient a contiguous write), unlike a slice of axis 1.
-        _, hs = jax.lax.scan(step, cell.initial_carry(x[0]), x, unroll=self.unroll)
+        like = x[0].astype(self.dtype) if ids else x[0]  # the carry's batch, dtype (and device variance)
+        _, hs = jax.lax.scan(step, cell.initial_carry(like), x, unroll=self.unroll)
         return self._dropout(hs), None
 
     def _dropout(self, hs: jax.Array) -> jax.Array:
@@ -191,7 +233,8 @@ class ResidualBlock(nn.Module):
     """A pre-norm residual block (`model.block=residual`), as in the LRU and Griffin papers:
     x + layer(norm(x)), then x + GatedMLP(norm(x)), with RMS norms. Between linear recurrences,
     the MLP is what makes a stack of them more than one linear map. Takes `RecurrentLayer`'s fields
-    and call signature; given the input projection, it applies it first (a residual needs x in H)."""
+    and call signature; given the input projection, it applies it first (a residual needs x in H;
+    to token ids, as the gather of their kernel rows)."""
 
     hidden_dim: int
     cell: str
@@ -203,7 +246,7 @@ class ResidualBlock(nn.Module):
         dtype = fields.get("dtype", jnp.float32)
         if projection is not None:
             kernel, bias = (a.astype(dtype) for a in projection)
-            x = x.astype(dtype) @ kernel + bias
+            x = project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias
         x = x.astype(dtype)
         y, _ = RecurrentLayer(self.hidden_dim, self.cell, **fields, name="recurrence")(
             nn.RMSNorm(dtype=dtype, name="norm_0")(x))
@@ -235,8 +278,8 @@ class LayerStack(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
-        """x: [T, B, H], or the raw input [T, B, I] with `projection` (kernel [I, H], bias [H])
-        -> [T, B, H] (time-major)."""
+        """x: [T, B, H], or the raw input [T, B, I] or token ids int32[T, B] with `projection` (kernel
+        [I, H], bias [H]) -> [T, B, H] (time-major)."""
         kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
                       **dict(self.layer_options))
         layer_class = RecurrentLayer
@@ -270,14 +313,17 @@ class RecurrentModel(nn.Module):
     """Input projection -> recurrent layer stack -> per-time-step linear readout.
 
     The input projection is a linear map the first layer applies (folded into its own
-    input weights where that is cheaper: `folds_projection`)."""
+    input weights where that is cheaper: `folds_projection`); to token ids, an embedding
+    of the same parameters."""
 
     config: ModelConfig
     output_dim: int
+    input_dim: int | None = None  # the symbols of token-id inputs (needed for them); float inputs: I, if given
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
-        """x: f32[B, T, I] -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng)."""
+        """x: f32[B, T, I], or token ids int32[B, T] in [0, input_dim) (input_dim: a padded step, embedded
+        as zero) -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng)."""
         c = self.config
         if c.unroll is None:
             raise ValueError("model.unroll is null: build the model with rnnlab.models.build_model, which resolves it")
@@ -288,8 +334,13 @@ class RecurrentModel(nn.Module):
             ("dtype", dtype), ("dropout", c.dropout),
             ("deterministic", not train),
         )
-        x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I]: the stack runs time-major throughout
-        projection = InputProjection(c.hidden_dim, name="input_proj")(x.shape[-1])
+        if is_token_ids(x) and self.input_dim is None:
+            raise ValueError("token-id inputs need the number of symbols: build_model(..., input_dim=task.input_dim)")
+        if not is_token_ids(x) and self.input_dim not in (None, x.shape[-1]):
+            raise ValueError(f"inputs of width {x.shape[-1]}, but the model was built for input_dim={self.input_dim}")
+        input_dim = self.input_dim or x.shape[-1]
+        x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I] or [T, B]: the stack runs time-major throughout
+        projection = InputProjection(c.hidden_dim, name="input_proj")(input_dim)
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
                        layer_options, c.block, name="stack")(x, projection)
         if c.block == "residual":
@@ -298,11 +349,13 @@ class RecurrentModel(nn.Module):
         return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
 
 
-def build_model(config: ModelConfig, output_dim: int, platform: str | None = None) -> RecurrentModel:
-    """The model of `config` for a task with `output_dim` outputs, trained on `platform` (default:
-    JAX's default backend), with `model.unroll=null` resolved for that platform (`default_unroll`)."""
+def build_model(config: ModelConfig, output_dim: int, platform: str | None = None,
+                input_dim: int | None = None) -> RecurrentModel:
+    """The model of `config` for a task with `output_dim` outputs and `input_dim` inputs (the task's;
+    needed where the inputs are token ids), trained on `platform` (default: JAX's default backend),
+    with `model.unroll=null` resolved for that platform (`default_unroll`)."""
     unroll = config.unroll or default_unroll(platform or jax.default_backend())
-    return RecurrentModel(dataclasses.replace(config, unroll=unroll), output_dim)
+    return RecurrentModel(dataclasses.replace(config, unroll=unroll), output_dim, input_dim)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:
@@ -320,6 +373,7 @@ def count_params(params: Any) -> int:
 
 
 def summary_table(model: RecurrentModel, example_input: jax.Array) -> str:
-    """The `nn.tabulate` table of the model (parameters and shapes per module)."""
+    """The `nn.tabulate` table of the model (parameters and shapes per module); `example_input` as the
+    model takes it (`Task.example_inputs`: token ids or floats)."""
     table = nn.tabulate(model, jax.random.key(0), depth=3, console_kwargs={"width": 120, "force_terminal": False, "color_system": None})
     return table(example_input)

@@ -58,7 +58,8 @@ def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax
 def create_train_state(
     key: jax.Array, model: nn.Module, example_inputs: jax.Array, tx: optax.GradientTransformation
 ) -> train_state.TrainState:
-    """Unreplicated initial state. example_inputs: f32[B, T, I] (only shapes matter)."""
+    """Unreplicated initial state. example_inputs: the model's input, f32[B, T, I] or token ids
+    int32[B, T] (`Task.example_inputs`; only shapes matter)."""
     params = jax.jit(model.init)(key, example_inputs)["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step: a weakly typed Python 0 would make the second step recompile.

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 
 from rnnlab import config as cfg
 from rnnlab import cpu, flops, memory, parallel, tasks
@@ -118,8 +117,9 @@ def _set_up(config: cfg.Config, workdir: Path, devices: list, checkpointer: Chec
         resume_changes(recorded_config, _now(config, recorded_config.get(DEVICES_USED_KEY), None),
                        config.checkpoint.allow_changes)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
-    setup = _Setup(config, workdir, task, build_model(config.model, task.output_dim, devices[0].platform), tx,
-                   schedule, jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM), checkpointer, devices,
+    model = build_model(config.model, task.output_dim, devices[0].platform, task.input_dim)
+    setup = _Setup(config, workdir, task, model, tx, schedule,
+                   jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM), checkpointer, devices,
                    config.device.steps_per_dispatch or default_steps_per_dispatch(devices[0].platform), primary)
     _check_state_fits(setup)
     if cpu.device_count_is_open(config.device.num_devices, devices):
@@ -141,7 +141,7 @@ def _check_state_fits(setup: _Setup) -> None:
     """Before anything is allocated: the train state (on the host and on each local device) and
     the batches (train and eval) must fit in the free memory (shapes only, nothing computed)."""
     config, task = setup.config, setup.task
-    example = jax.ShapeDtypeStruct((1, task.total_len, task.input_dim), jnp.float32)
+    example = task.input_spec(1)
     state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx), example)
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     # A train batch and the eval batches of every evaluated length stay on the devices.
@@ -175,7 +175,7 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
     def seconds_per_step(n: int) -> float:
         dp = parallel.DataParallel(devices[:n], config.device.strategy)
         per_device = config.batch_size // n
-        example = jnp.zeros((per_device, setup.task.total_len, setup.task.input_dim), jnp.float32)
+        example = setup.task.example_inputs(per_device)
         state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx))
         dispatch = make_dispatch(config, setup.task, setup.schedule, dp, per_device, k)
         _check_step_fits(dispatch.compile(state), devices[:n], config)
@@ -197,7 +197,7 @@ def _restore_or_init(setup: _Setup) -> tuple[Any, int]:
     Either way the run record (config, accepted changes) that later checkpoints carry is kept."""
     config, task = setup.config, setup.task
     per_device = parallel.check_batch_divides(config.batch_size, len(setup.devices))
-    example = jnp.zeros((per_device, task.total_len, task.input_dim), jnp.float32)
+    example = task.example_inputs(per_device)
     if setup.primary:
         summary = summary_table(setup.model, example)
         (setup.workdir / "model_summary.txt").write_text(summary)
@@ -238,7 +238,8 @@ def _make_run(setup: _Setup, start_step: int, overrides: Sequence[str] = (), var
         writer=MetricWriter(setup.workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
                             enabled=setup.primary),
         tokens_per_step=tokens_per_step,
-        flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step, task.total_len),
+        flops_per_step=flops.train_step_flops(config.model, task.input_dim, task.output_dim, tokens_per_step,
+                                              task.total_len, task.token_inputs, len(devices)),
         peak_flops=flops.peak_flops(local_device, flops.model_peak_kind(config.model.dtype)),  # cached, else ~1 s
         profiler=StepProfiler(config.profile, setup.workdir / "tensorboard"),
         progress=ProgressBar(config.steps, start_step),

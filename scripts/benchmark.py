@@ -93,9 +93,9 @@ def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = (
 def replicated_state(config: cfg.Config, task: tasks.Task, devices: list) -> tuple:
     """(the initial train state replicated on `devices`, the learning-rate schedule), as train.py
     builds them (optimizer schedule over 1000 steps)."""
-    model = build_model(config.model, task.output_dim)
+    model = build_model(config.model, task.output_dim, input_dim=task.input_dim)
     tx, schedule = steps.make_optimizer(config.optimizer, 1000)
-    example = jnp.zeros((config.batch_size // len(devices), task.total_len, task.input_dim))
+    example = task.example_inputs(config.batch_size // len(devices))
     return parallel.replicate(steps.create_train_state(jax.random.key(0), model, example, tx), devices), schedule
 
 
@@ -338,7 +338,8 @@ def bench_row(cell: str, row: tuple, config: cfg.Config, args, peak: float | Non
     median["rnnlab"] = by_devices[main_devices]
     median["bare"] = median.get(f"bare@{main_devices}", median["bare"])  # the bare step on the same count
     tokens = b * t
-    model_flops = flops.train_step_flops(config.model, bare.task.input_dim, bare.task.output_dim, tokens, bare.task.total_len)
+    model_flops = flops.train_step_flops(config.model, bare.task.input_dim, bare.task.output_dim, tokens,
+                                         bare.task.total_len, bare.task.token_inputs, main_devices)
     devices = jax.devices()[:main_devices]
     result = {
         "cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "overrides": args.override,

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import ROOT, compose_config, fast_first
@@ -25,9 +24,9 @@ def step_and_args(overrides):
     """(one-device train step with the pmean axis bound, its args, config, task) for a composed config."""
     config = compose_config(["device=cpu", *overrides])
     task = tasks.make_task(config.data)
-    model = build_model(config.model, task.output_dim)
+    model = build_model(config.model, task.output_dim, input_dim=task.input_dim)
     tx, schedule = make_optimizer(config.optimizer, config.steps)
-    example = jax.ShapeDtypeStruct((config.batch_size, task.total_len, task.input_dim), jnp.float32)
+    example = task.input_spec(config.batch_size)
     # Shapes only: tracing and lowering need no values, and nothing here compiles.
     state = jax.eval_shape(lambda x: create_train_state(jax.random.key(0), model, x, tx), example)
     batch = jax.eval_shape(lambda: tasks.sample_batch(task, tasks.stream_key(0, 0), 0, 0, config.batch_size))
@@ -42,7 +41,7 @@ def step_and_args(overrides):
 
 def analytic(config, task):
     return flops.step_flops(config.model, task.input_dim, task.output_dim, config.batch_size * task.total_len,
-                           task.total_len)
+                           task.total_len, task.token_inputs)
 
 
 @contextlib.contextmanager
@@ -69,8 +68,10 @@ OPTIONS = [
     ["model.recurrence=autodiff", "model.remat=true"],
     ["model.dtype=bfloat16", "model.unroll=2"],
     ["model.recurrence=custom_vjp", "model.unroll=2", "model.scan_layers=false"],
-    ["data=copy", "data.seq_len=12"],
-    ["data=copy", "data.seq_len=12", "hidden_dim=4"],  # I = 10 >= 2H: the projection is not folded
+    ["data=copy", "data.seq_len=12"],  # token ids, I + 1 = 11 < B*T = 128: the embedding folded into W_xh
+    ["data=copy", "data.seq_len=12", "hidden_dim=4"],  # I >= 2H, but token ids: folded all the same
+    ["data=copy", "data.seq_len=12", "model.recurrence=autodiff"],  # the folded gather inside the time scan
+    ["data=mqar", "data.seq_len=16", "data.vocab_size=64"],  # token ids, I + 1 = 65 >= B*T = 64: not folded
     ["model.block=residual", "num_layers=3"],
     ["model.block=residual", "model.scan_layers=false", "model.recurrence=autodiff"],
     ["model.time_scan=associative"],  # linear cells only
@@ -149,7 +150,7 @@ def test_folding_the_input_projection_halves_a_one_layer_step(monkeypatch):
     overrides = ["model.cell=lstm", "hidden_dim=64", "num_layers=1", "batch_size=8", "data.seq_len=16"]
     step, args, config, task = step_and_args(overrides)
     folded = flops.jaxpr_matmul_flops(step, *args)
-    monkeypatch.setattr(models, "folds_projection", lambda input_dim, hidden_dim: False)
+    monkeypatch.setattr(models, "folds_projection", lambda input_dim, hidden_dim, tokens=None: False)
     step, args, config, task = step_and_args(overrides)
     unfolded = flops.jaxpr_matmul_flops(step, *args)
     assert unfolded == analytic(config, task).executed  # the count follows the model either way

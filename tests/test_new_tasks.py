@@ -26,8 +26,8 @@ sample_batch = jax.jit(tasks.sample_batch, static_argnums=(0, 4, 5))
 
 def draw(task, n=N, min_len=None, step=0):
     batch = sample_batch(task, tasks.stream_key(0, 0), jnp.int32(step), jnp.int32(0), n, min_len)
-    inputs = np.asarray(batch.inputs)
-    tokens = np.where(inputs.sum(-1) > 0, inputs.argmax(-1), -1)  # -1: a padding step (zero input)
+    inputs = np.asarray(batch.inputs)  # token ids, task.padding_id at a padded step
+    tokens = np.where(inputs == task.padding_id, -1, inputs)  # -1: a padding step
     return inputs, tokens, np.asarray(batch.targets)
 
 
@@ -46,7 +46,7 @@ def conditional_entropy(condition, outcome):
 def test_selective_copy_structure_and_statistics():
     task = SelectiveCopyTask(seq_len=12, num_tokens=4, vocab_size=8)
     inputs, tokens, targets = draw(task)
-    assert inputs.shape == (N, 17, 10) and targets.shape == (N, 17) and (inputs.sum(-1) == 1).all()
+    assert inputs.shape == targets.shape == (N, 17) and inputs.dtype == np.int32 and (inputs < 10).all()
     data = tokens[:, :12] < 8
     assert (data.sum(1) == 4).all()  # 4 data tokens at distinct positions, noise elsewhere
     assert (tokens[:, :12][~data] == task.noise).all()
@@ -80,7 +80,7 @@ def test_selective_copy_variable_lengths():
     assert lengths.min() == 4 and lengths.max() == 12
     steps = np.arange(17)
     valid = steps[None] <= (lengths + 4)[:, None]
-    assert ((tokens >= 0) == valid).all()  # zero inputs after the last recall step
+    assert ((tokens >= 0) == valid).all()  # padding after the last recall step
     before = steps[None] < lengths[:, None]
     assert ((tokens < 8) & before).sum(1).tolist() == [4] * N and not ((tokens < 8) & ~before & valid).any()
     for row in range(50):
@@ -94,7 +94,7 @@ def test_selective_copy_variable_lengths():
 def test_mqar_structure_and_statistics():
     task = MQARTask(seq_len=20, vocab_size=16, num_pairs=3, power_a=0.01)
     inputs, tokens, targets = draw(task)
-    assert inputs.shape == (N, 20, 17) and targets.shape == (N, 20) and (inputs.sum(-1) == 1).all()
+    assert inputs.shape == targets.shape == (N, 20) and inputs.dtype == np.int32 and (inputs < 17).all()
     keys, values = tokens[:, 0:6:2], tokens[:, 1:6:2]
     assert ((keys >= 0) & (keys < 8)).all() and ((values >= 8) & (values < 16)).all()
     assert all(len(set(k)) == 3 for k in keys) and all(len(set(v)) == 3 for v in values)
@@ -131,7 +131,7 @@ def test_mqar_variable_lengths():
     task = MQARTask(seq_len=20, vocab_size=16, num_pairs=3, power_a=1.0)
     _, tokens, targets = draw(task, min_len=12)
     lengths = (tokens >= 0).sum(1)
-    assert ((tokens >= 0) == (np.arange(20)[None] < lengths[:, None])).all()  # zero inputs from step L on
+    assert ((tokens >= 0) == (np.arange(20)[None] < lengths[:, None])).all()  # padding from step L on
     np.testing.assert_allclose(np.bincount(lengths, minlength=21)[12:] / N, 1 / 9, atol=0.025)
     scored = targets != IGNORE
     assert (scored.sum(1) == 3).all()
@@ -143,7 +143,7 @@ def test_mqar_variable_lengths():
 def test_parity_labels_and_baseline():
     task = ParityTask(seq_len=10)
     inputs, bits, targets = draw(task)
-    assert inputs.shape == (N, 10, 2) and ((bits == 0) | (bits == 1)).all()
+    assert inputs.shape == (N, 10) and ((bits == 0) | (bits == 1)).all()
     np.testing.assert_array_equal(targets[:, -1], bits.sum(1) % 2)
     assert (targets[:, :-1] == IGNORE).all()
     assert bits.mean() == pytest.approx(0.5, abs=0.01) and targets[:, -1].mean() == pytest.approx(0.5, abs=0.03)
@@ -170,7 +170,7 @@ VARIABLE = [SelectiveCopyTask(12, num_tokens=3, vocab_size=5), MQARTask(20, voca
 
 
 @pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]]), ids=lambda t: t.name)
-def test_a_padded_example_is_the_shorter_example_then_zeros(task):
+def test_a_padded_example_is_the_shorter_example_then_padding(task):
     key = jax.random.key(7)
     for length in (task.min_seq_len, task.seq_len - 1, task.seq_len):
         short = task.with_seq_len(length)
@@ -179,14 +179,14 @@ def test_a_padded_example_is_the_shorter_example_then_zeros(task):
         n = short.total_len
         np.testing.assert_array_equal(inputs[:n], want_inputs)
         np.testing.assert_array_equal(targets[:n], want_targets)
-        assert not np.asarray(inputs[n:]).any() and (np.asarray(targets[n:]) == IGNORE).all()
+        assert (np.asarray(inputs[n:]) == task.padding_id).all() and (np.asarray(targets[n:]) == IGNORE).all()
 
 
 @pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]]), ids=lambda t: t.name)
 def test_padding_never_changes_a_result(task):
     """A batch of padded examples scores what each example scores unpadded, through a real (causal) model."""
     config = tiny_config("model=gru", "num_layers=1")
-    model = build_model(config.model, task.output_dim, "cpu")
+    model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
     inputs, _, targets = draw(task, n=4, min_len=task.min_seq_len, step=3)
     params = jax.jit(model.init)(jax.random.key(0), inputs)
     apply, score = jax.jit(model.apply), jax.jit(task.loss_and_metrics)
@@ -194,9 +194,9 @@ def test_padding_never_changes_a_result(task):
     loss, metrics = score(outputs, targets)
     unpadded, lengths = [], set()
     for i in range(4):
-        n = int((inputs[i].sum(-1) > 0).sum())  # the example's own steps
+        n = int((inputs[i] != task.padding_id).sum())  # the example's own steps
         lengths.add(n)
-        assert not inputs[i, n:].any()
+        assert (inputs[i, n:] == task.padding_id).all()
         alone = score(outputs[i : i + 1], targets[i : i + 1])
         short = apply(params, inputs[i : i + 1, :n])
         unpadded.append(score(short, targets[i : i + 1, :n]))

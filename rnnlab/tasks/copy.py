@@ -18,7 +18,7 @@ from rnnlab.tasks.registry import Task, register_task
 @dataclasses.dataclass(frozen=True)
 class CopyTask(Task):
     """Delay T = `seq_len`. Symbols 0..7 are data, 8 is blank, 9 the delimiter. Input
-    (one-hot, 10 classes): 10 random data symbols, T-1 blanks, the delimiter, 10 blanks
+    (token ids of 10 symbols): 10 random data symbols, T-1 blanks, the delimiter, 10 blanks
     (T+20 steps). Target: T+10 blanks, then the 10 data symbols. Loss: cross-entropy
     averaged over all T+20 steps; metric: accuracy on the 10 recalled symbols. A memoryless
     model that emits blanks and then guesses uniformly scores 10 ln 8 / (T+20).
@@ -28,6 +28,7 @@ class CopyTask(Task):
     input_dim = 10
     output_dim = 10
     min_seq_len = 11  # the delay must be longer than the 10 symbols it recalls
+    token_inputs = True
     num_symbols: ClassVar[int] = 8
     copy_len: ClassVar[int] = 10
     BLANK: ClassVar[int] = 8
@@ -42,14 +43,14 @@ class CopyTask(Task):
         return self.copy_len * math.log(self.num_symbols) / self.total_len
 
     def sample_one(self, key):
-        """-> (inputs f32[T+20, 10] one-hot, targets int32[T+20])."""
+        """-> (inputs int32[T+20] token ids, targets int32[T+20])."""
         symbols = jax.random.randint(key, (self.copy_len,), 0, self.num_symbols)
         blanks = lambda n: jnp.full((n,), self.BLANK, jnp.int32)  # noqa: E731
         tokens = jnp.concatenate(
             [symbols, blanks(self.seq_len - 1), jnp.array([self.DELIMITER]), blanks(self.copy_len)]
         )
         targets = jnp.concatenate([blanks(self.seq_len + self.copy_len), symbols])
-        return jax.nn.one_hot(tokens, self.input_dim), targets
+        return tokens.astype(jnp.int32), targets
 
     def symbol_names(self):
         return {self.BLANK: "_", self.DELIMITER: ">"}

@@ -14,8 +14,8 @@ from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entrop
 @register_task
 @dataclasses.dataclass(frozen=True)
 class MQARTask(Task):
-    """Tokens 0 .. V/2-1 are keys, V/2 .. V-1 values (V = `vocab_size`), V a blank. Input (one-hot,
-    V+1 classes) of T = `seq_len` steps: `num_pairs` (P) key-value pairs `k1 v1 k2 v2 ...` (distinct
+    """Tokens 0 .. V/2-1 are keys, V/2 .. V-1 values (V = `vocab_size`), V a blank. Input (token ids
+    of V+1 symbols) of T = `seq_len` steps: `num_pairs` (P) key-value pairs `k1 v1 k2 v2 ...` (distinct
     keys, distinct values), then blanks in which each key appears once more as a query, in random
     order, at the even offsets after the pairs. Target: at each query, the value paired with that key
     (as a vocabulary token, so the output is V wide); IGNORE elsewhere.
@@ -27,8 +27,8 @@ class MQARTask(Task):
 
     Loss: cross-entropy at the P query steps only; metric: accuracy there. Baseline ln(V/2): a
     model that does not remember the pairs sees a key but no value, and every value is equally
-    likely. With `data.min_seq_len` an example of length L has its queries in [2P, L) and zero inputs
-    from step L on.
+    likely. With `data.min_seq_len` an example of length L has its queries in [2P, L) and padding
+    (`padding_id`) from step L on.
     """
 
     vocab_size: int = 32  # V: keys and values, half each
@@ -36,6 +36,7 @@ class MQARTask(Task):
     power_a: float = 0.01  # query slot distribution, as Zoology's power_a (1: uniform)
 
     name = "mqar"
+    token_inputs = True
 
     @property
     def input_dim(self) -> int:
@@ -63,7 +64,7 @@ class MQARTask(Task):
             raise OptionError(f"key 'data.power_a': got {self.power_a}, must be in (0, 1]")
 
     def sample_padded(self, key, length):
-        """-> (inputs f32[T, V+1] one-hot, zero from step `length` on; targets int32[T])."""
+        """-> (inputs int32[T] token ids, padding from step `length` on; targets int32[T])."""
         k_keys, k_values, k_slots = jax.random.split(key, 3)
         half, pairs = self.vocab_size // 2, self.num_pairs
         keys = jax.random.choice(k_keys, half, (pairs,), replace=False)
@@ -77,7 +78,7 @@ class MQARTask(Task):
         context = jnp.stack([keys, values], axis=1).reshape(-1)
         tokens = jnp.full((self.seq_len,), self.vocab_size).at[: 2 * pairs].set(context).at[queries].set(keys)
         targets = jnp.full((self.seq_len,), IGNORE).at[queries].set(values)
-        return jax.nn.one_hot(tokens, self.input_dim) * (steps < length)[:, None], targets
+        return jnp.where(steps < length, tokens, self.padding_id).astype(jnp.int32), targets
 
     def symbol_names(self):
         return {self.vocab_size: "_"}

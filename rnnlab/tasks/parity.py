@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
 import jax.numpy as jnp
 
 from rnnlab.tasks.registry import IGNORE, Task, masked_cross_entropy, per_position_uniform, register_task
@@ -14,31 +13,32 @@ from rnnlab.tasks.registry import IGNORE, Task, masked_cross_entropy, per_positi
 @register_task
 @dataclasses.dataclass(frozen=True)
 class ParityTask(Task):
-    """Input f32[T, 2]: T = `seq_len` random bits, one-hot. Target int32[T]: at the last step the
+    """Input int32[T]: T = `seq_len` random bits, as token ids. Target int32[T]: at the last step the
     parity of the ones (1 if their count is odd), IGNORE elsewhere. Loss: cross-entropy at the
     last step only; metric: accuracy there (chance 50%).
 
     Baseline ln 2: the label is a fair coin independent of any strict subset of the bits (the
     last bit alone included), so a model that does not remember the earlier bits can do no
     better than predicting 1/2. With `data.min_seq_len` each example has its own length L, its
-    label at step L-1 and zero inputs after it.
+    label at step L-1 and padding (`padding_id`) after it.
     """
 
     name = "parity"
     input_dim = 2
     output_dim = 2
     min_seq_len = 1
+    token_inputs = True
 
     @property
     def baseline_loss(self) -> float:
         return math.log(2)
 
     def sample_padded(self, key, length):
-        """-> (inputs f32[T, 2] one-hot, zero from step `length` on; targets int32[T])."""
+        """-> (inputs int32[T] bits, padding from step `length` on; targets int32[T])."""
         steps = jnp.arange(self.seq_len)
         valid = steps < length
         bits = ((per_position_uniform(key, self.seq_len) < 0.5) & valid).astype(jnp.int32)
-        inputs = jax.nn.one_hot(bits, 2) * valid[:, None]
+        inputs = jnp.where(valid, bits, self.padding_id)
         targets = jnp.where(steps == length - 1, bits.sum() % 2, IGNORE)
         return inputs, targets
 

@@ -33,7 +33,9 @@ IGNORE = -1  # the target of a step that is not scored (`masked_cross_entropy`)
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """inputs: f32[B, T, input_dim]; targets: task-specific (see each task)."""
+    """inputs: the model's input, of one of two kinds (`Task.token_inputs`): int32[B, T] token ids in
+    [0, input_dim), `Task.padding_id` at a padded step (the symbol tasks), or f32[B, T, input_dim]
+    (continuous tasks, zero rows at a padded step); targets: task-specific (see each task)."""
 
     inputs: jax.Array
     targets: jax.Array
@@ -50,14 +52,36 @@ class Task:
     they depend on the task's own fields) and define `baseline_loss`, `sample_one` (or
     `sample_padded`) and `loss_and_metrics`; `total_len` defaults to `seq_len`. A subclass's
     dataclass fields (with defaults) are its options, set as `data.<field>`.
+
+    A task whose input is one symbol per step sets `token_inputs = True` and samples token ids: the
+    model embeds them (a gather of its input projection's rows), which costs what its model costs
+    whatever the vocabulary, where a one-hot matrix would cost [T, input_dim] per example.
     """
 
     seq_len: int
 
     name: ClassVar[str]
-    input_dim: ClassVar[int]  # width of the model's input at each time step
+    input_dim: ClassVar[int]  # width of the model's input at each time step (token tasks: the number of symbols)
     output_dim: ClassVar[int]  # width of the model's output at each time step
     min_seq_len: ClassVar[int] = 1  # the shortest `seq_len` the task is defined for
+    token_inputs: ClassVar[bool] = False  # inputs are int32[T] token ids, not f32[T, input_dim]
+
+    @property
+    def padding_id(self) -> int:
+        """The token id of a padded step: one past the symbols, embedded as zero (the one-hot of no symbol)."""
+        return self.input_dim
+
+    def input_spec(self, batch_size: int) -> jax.ShapeDtypeStruct:
+        """The model's input for `batch_size` examples: int32[B, total_len] token ids (`token_inputs`),
+        else f32[B, total_len, input_dim]."""
+        if self.token_inputs:
+            return jax.ShapeDtypeStruct((batch_size, self.total_len), jnp.int32)
+        return jax.ShapeDtypeStruct((batch_size, self.total_len, self.input_dim), jnp.float32)
+
+    def example_inputs(self, batch_size: int) -> jax.Array:
+        """Zeros of `input_spec(batch_size)`: what initialising a model needs (only shapes matter)."""
+        spec = self.input_spec(batch_size)
+        return jnp.zeros(spec.shape, spec.dtype)
 
     @property
     def total_len(self) -> int:
@@ -79,7 +103,8 @@ class Task:
 
     def sample_padded(self, key: jax.Array, length: jax.Array) -> tuple[jax.Array, jax.Array]:
         """One example of length parameter `length` (int32[], traced; min_seq_len <= length <= seq_len),
-        padded with zero inputs to `total_len` steps -> (inputs f32[total_len, input_dim], targets).
+        padded to `total_len` steps -> (inputs, targets), a padded step's input `padding_id` (token
+        inputs) or zeros.
 
         Defining it declares that the task accepts `data.min_seq_len`. `loss_and_metrics` must then
         score only the steps the example defines, and score the same number of them in every example,
@@ -116,13 +141,16 @@ class Task:
 
     def describe_examples(self, inputs: np.ndarray, targets: np.ndarray, outputs: np.ndarray) -> str | None:
         """A few eval examples as a Markdown table for TensorBoard's text tab: the input's symbols, then the
-        target and the prediction at each scored step. None for a task whose targets are not symbols per step."""
+        target and the prediction at each scored step (inputs: token ids [B, T], or one-hot rows [B, T, input_dim]).
+        None for a task whose targets are not symbols per step."""
         if targets.ndim != 2 or not np.issubdtype(targets.dtype, np.integer):
             return None
         names = self.symbol_names()
+        if inputs.ndim == 3:  # f32[B, T, input_dim] one-hot rows, zero at a padded step: as ids
+            inputs = np.where(inputs.any(-1), inputs.argmax(-1), self.padding_id)
         rows = ["| input | target | predicted | right |", "|---|---|---|---|"]
         for x, y, out, mask in zip(inputs, targets, outputs.argmax(-1), self.scored(targets)):
-            symbols = " ".join(names.get(int(i), str(int(i))) if row.any() else "." for i, row in zip(x.argmax(-1), x))
+            symbols = " ".join("." if i == self.padding_id else names.get(int(i), str(int(i))) for i in x)
             right = int((out[mask] == y[mask]).sum())
             rows.append(f"| `{symbols}` | `{' '.join(map(str, y[mask]))}` | `{' '.join(map(str, out[mask]))}` "
                         f"| {right}/{int(mask.sum())} |")

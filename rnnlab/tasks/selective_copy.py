@@ -16,7 +16,7 @@ from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entrop
 @dataclasses.dataclass(frozen=True)
 class SelectiveCopyTask(Task):
     """Symbols 0 .. V-1 are data (V = `vocab_size`), V is noise, V+1 the delimiter. Input
-    (one-hot, V+2 classes): `seq_len` steps of noise holding `num_tokens` (K) random data symbols
+    (token ids of V+2 symbols): `seq_len` steps of noise holding `num_tokens` (K) random data symbols
     at random distinct positions, the delimiter, then K noise steps (T+1+K steps). Target: the K
     data symbols, in the order they appeared, at the K steps after the delimiter (IGNORE elsewhere).
     Unlike the copy task the data positions vary, so a model must select by content, not by time.
@@ -28,14 +28,15 @@ class SelectiveCopyTask(Task):
     The paper's setting is seq_len 4096, num_tokens 16, vocab_size 16. The defaults here (32, 4,
     8: conf/data/selective_copy.yaml) keep the selection problem and make it small enough for a
     64-unit model on 2 CPU cores: 4 symbols of 3 bits in a 37-step sequence. With
-    `data.min_seq_len` an example of length L has its delimiter at step L and zero inputs after its
-    last recall step.
+    `data.min_seq_len` an example of length L has its delimiter at step L and padding (`padding_id`)
+    after its last recall step.
     """
 
     num_tokens: int = 4  # K: data symbols to recall
     vocab_size: int = 8  # V: data symbols
 
     name = "selective_copy"
+    token_inputs = True
 
     @property
     def input_dim(self) -> int:
@@ -72,7 +73,7 @@ class SelectiveCopyTask(Task):
             raise OptionError(f"key 'data.vocab_size': got {self.vocab_size}, must be >= 2")
 
     def sample_padded(self, key, length):
-        """-> (inputs f32[T+1+K, V+2] one-hot, zero after step length+K; targets int32[T+1+K])."""
+        """-> (inputs int32[T+1+K] token ids, padding after step length+K; targets int32[T+1+K])."""
         k_symbols, k_positions = jax.random.split(key)
         symbols = jax.random.randint(k_symbols, (self.num_tokens,), 0, self.vocab_size)
         # K distinct positions in [0, length), uniformly: the K smallest of per-position uniforms.
@@ -82,7 +83,7 @@ class SelectiveCopyTask(Task):
         valid = jnp.arange(self.total_len) <= length + self.num_tokens
         recall = length + 1 + jnp.arange(self.num_tokens)
         targets = jnp.full((self.total_len,), IGNORE).at[recall].set(symbols)
-        return jax.nn.one_hot(tokens, self.input_dim) * valid[:, None], targets
+        return jnp.where(valid, tokens, self.padding_id).astype(jnp.int32), targets
 
     def symbol_names(self):
         return {self.noise: "_", self.delimiter: ">"}
