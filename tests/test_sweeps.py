@@ -70,7 +70,7 @@ def test_hparams_events_are_readable_per_job(grid_sweep):
         # job shares (SWEEP_TINY's steps, log_every, ...) are not registered at all.
         differs = {h.name: h.differs for h in experiment.hparam_infos}
         assert differs == {"hidden_dim": True, "optimizer.lr": True, "model.cell": False, "num_layers": False,
-                           "batch_size": False, "data.task": False, "data.seq_len": False}
+                           "batch_size": False, "data.task": False, "data.seq_len": False, "state_floats": False}
         start = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG])
         hparams = {k: v.WhichOneof("kind") and getattr(v, v.WhichOneof("kind")) for k, v in start.hparams.items()}
         seen.add((hparams["hidden_dim"], hparams["optimizer.lr"]))
