@@ -78,8 +78,9 @@ def require(module: str):
 
 
 def fast_first(values, keep=1):
-    """Parametrize values of which the first `keep` run in the fast tier, the rest in the full tier only."""
-    return [v if i < keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+    """Parametrize values of which the first `keep` run in the fast tier, the rest in the full tier only.
+    A tuple holds the values of several argument names (one argument taking a tuple: wrap it, `(t,)`)."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=() if i < keep else pytest.mark.slow)
             for i, v in enumerate(values)]
 
 
