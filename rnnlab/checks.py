@@ -73,10 +73,10 @@ def _validate_model(c: Config) -> None:
     cell = m.make_cell()
     if m.time_scan not in cell.time_scans:
         raise ConfigError(f"key 'model.time_scan': got {m.time_scan!r}, allowed for cell {m.cell!r}: "
-                          f"{', '.join(cell.time_scans)} (associative: cells linear in their state; chunked: matrix-state cells; parallel: attention)")
+                          f"{', '.join(cell.time_scans)}")
     if m.remat and isinstance(cell, cells.SequenceCell):
-        raise ConfigError(f"key 'model.remat': got true, but cell {m.cell!r} computes its gates outside the time "
-                          f"scan, which stores only a and h; allowed: false")
+        raise ConfigError(f"key 'model.remat': got true, but cell {m.cell!r} mixes the whole sequence at once: "
+                          f"it has no per-step cell to recompute; allowed: false")
     problem = cell.option_problem()
     if problem:
         raise ConfigError(problem)
