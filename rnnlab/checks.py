@@ -47,6 +47,7 @@ def validate(c: Config) -> None:
     _positive("profile.start_step", c.profile.start_step)
     _non_negative("profile.num_steps", c.profile.num_steps)
     _non_negative("log.histograms_every", c.log.histograms_every)
+    _positive("zoo.seeds", c.zoo.seeds)
 
 
 def _validate_model(c: Config) -> None:

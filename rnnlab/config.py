@@ -131,6 +131,11 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ZooConfig:
+    seeds: int  # seeds per cell and learning rate in the experiment=zoo_* sweeps (their `seed: range(...)`)
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     imports: tuple[str, ...]  # modules imported first: extensions that register cells and tasks
     seed: int
@@ -150,6 +155,7 @@ class Config:
     checkpoint: CheckpointConfig
     profile: ProfileConfig
     log: LogConfig
+    zoo: ZooConfig
 
 
 def from_omegaconf(cfg: Any) -> Config:

@@ -87,9 +87,11 @@ def train_loop(run: Run, state: Any, start_step: int) -> tuple[str, Any]:
             queue.make_room(n)
             state, step = _dispatch(run, queue, state, step, n)
             stopping = stop_requested(guard, step)
-            _between_dispatches(run, queue, state, step, stopping)
+            _between_dispatches(run, queue, state, step, stopping)  # ends with the queue read at the last step
             if stopping:
+                run.clock.stop()
                 return "preempted", state
+    run.clock.stop()
     if start_step >= config.steps:  # nothing left to train: evaluate the restored state
         run.evaluate(start_step, state)
     return "completed", state

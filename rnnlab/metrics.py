@@ -128,6 +128,11 @@ class ThroughputClock:
         running = time.perf_counter() - self._started_at if self._started_at is not None else 0.0
         return self._accumulated + running
 
+    def stop(self) -> None:
+        """The loop is over: what follows (the last async save's completion, closing files) is not training."""
+        self._accumulated = self.elapsed()
+        self._started_at = None
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         was_running = self.running

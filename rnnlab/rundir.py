@@ -31,7 +31,7 @@ DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir train
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
 FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "device.num_devices",
              "device.steps_per_dispatch", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
-FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.")
+FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 
 
 def is_free(key: str) -> bool:

@@ -5,7 +5,7 @@
     python scripts/benchmark.py --compile-layers 1 4 16           # compile seconds vs num_layers
     python scripts/benchmark.py --rows 0 --variant model.recurrence=autodiff   # custom_vjp vs autodiff
     python scripts/benchmark.py --rows 0 --xla-variant xla_cpu_prefer_vector_width=256   # XLA options, side by side
-    python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs the bare step
+    python scripts/benchmark.py --cells rnn --rows 0 --loop 2000   # the whole training loop vs its dispatch
     python scripts/benchmark.py --rows 0 --dispatch 1 4 8         # steps per dispatch: what launching a step costs
 
 The main columns time the step as `python train.py` runs it: the training loop's own
@@ -393,43 +393,52 @@ def compile_vs_layers(args) -> list[dict]:
 def loop_vs_step(args, peak: float | None) -> list[dict]:
     """tokens/s of the whole training loop (train.py's own: on-device data, logging, eval, async
     Orbax saves; its clock skips the compiling step and pauses for eval and saves) against the
-    bare step on the same devices (one step per dispatch), timed before and after the loop in
-    the same process. The loop runs with device.steps_per_dispatch at its default for the
-    platform and at 1 (what dispatching several steps at once adds), and at the default without
+    loop's own compiled dispatch at the same steps per dispatch (`LoopDispatch`, the main
+    columns), timed right before and after each loop run in the same process; the ratio is the
+    loop's median over `--repeats` runs to the dispatch's median. The loop runs with
+    device.steps_per_dispatch at the platform's default and at 1, and at the default without
     checkpoints (what Orbax's async saves cost)."""
     import tempfile
 
     rows = []
     dispatch_sizes = dict.fromkeys([steps.default_steps_per_dispatch(jax.devices()[0].platform), 1])
-    print(f"training loop vs bare step: {args.loop} steps, log_every/eval_every/checkpoint.every at their "
-          f"defaults (100/500/500), steps per dispatch {', '.join(map(str, dispatch_sizes))} | load {load():.2f}")
+    print(f"training loop vs its dispatch: {args.loop} steps (fewer beyond {args.loop_seconds:g} s), log_every/eval_every/checkpoint.every at their "
+          f"defaults (100/500/500) unless overridden, median of {args.repeats} | load {load():.2f}")
     for cell in args.cells:
         for h, b, t, layers in args.shapes:
             n = default_device_count(b)
             config = compose(cell, h, b, t, layers, [*args.override, f"steps={args.loop}", f"device.num_devices={n}"])
-            step = RnnlabStep(config, n)
-            step(1)
-            count = max(1, min(200, int(args.min_seconds / max(timed(step, 1), 1e-6))))
-            before = statistics.median(timed(step, count) for _ in range(args.repeats))
-            variants = {f"{k}/dispatch": {"device.steps_per_dispatch": k} for k in dispatch_sizes}
             default = next(iter(dispatch_sizes))
-            variants[f"{default}/dispatch, no checkpoints"] = {"device.steps_per_dispatch": default, "checkpoint.enabled": False}
-            loops = {}
-            for name, overrides in variants.items():
-                with tempfile.TemporaryDirectory() as workdir:
-                    loops[name] = trainer.train_and_evaluate(cfg.replace(config, **overrides), workdir)
-            after = statistics.median(timed(step, count) for _ in range(args.repeats))
-            bare = b * t / ((before + after) / 2)
+            variants = {f"{k}/dispatch": (k, {"device.steps_per_dispatch": k}) for k in dispatch_sizes}
+            variants[f"{default}/dispatch, no checkpoints"] = (default, {"device.steps_per_dispatch": default,
+                                                                         "checkpoint.enabled": False})
             row = {"cell": cell, "hidden": h, "batch": b, "time": t, "layers": layers, "devices": n,
-                   "bare_tokens_per_sec": bare, "bare_ms_before": 1e3 * before, "bare_ms_after": 1e3 * after,
-                   "loop_tokens_per_sec": {k: r["tokens_per_sec"] for k, r in loops.items()},
-                   "ratio": {k: r["tokens_per_sec"] / bare for k, r in loops.items()},
-                   "loop_wall_seconds": {k: r["wall_seconds"] for k, r in loops.items()}, "load": load()}
+                   "dispatch_tokens_per_sec": {}, "loop_tokens_per_sec": {}, "ratio": {}, "loop_wall_seconds": {}}
+            for name, (k, overrides) in variants.items():
+                bare = LoopDispatch(config, n, k)
+                per_step = max(timed(bare, k), 1e-6)
+                count = k * max(1, min(200, int(args.min_seconds / per_step / k)))
+                # at most --loop steps, fewer where they would take over --loop-seconds (a multiple of 8, >= 64)
+                overrides = {**overrides, "steps": max(64, min(args.loop, int(args.loop_seconds / per_step)) // 8 * 8)}
+                bare_s, loop_tps, walls = [timed(bare, count)], [], []
+                for _ in range(args.repeats):
+                    with tempfile.TemporaryDirectory() as workdir:
+                        result = trainer.train_and_evaluate(cfg.replace(config, **overrides), workdir)
+                    loop_tps.append(result["tokens_per_sec"])
+                    walls.append(result["wall_seconds"])
+                    bare_s.append(timed(bare, count))
+                dispatch = b * t / statistics.median(bare_s)
+                row["dispatch_tokens_per_sec"][name] = dispatch
+                row["loop_tokens_per_sec"][name] = statistics.median(loop_tps)
+                row["ratio"][name] = statistics.median(loop_tps) / dispatch
+                row["loop_wall_seconds"][name] = statistics.median(walls)
+                row.setdefault("loop_steps", {})[name] = overrides["steps"]
+            row["load"] = load()
             rows.append(row)
-            print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | bare step {bare:12,.0f} tokens/s "
-                  f"({1e3 * before:.2f} / {1e3 * after:.2f} ms before/after) | "
-                  + " | ".join(f"loop, {k} {row['loop_tokens_per_sec'][k]:12,.0f} tokens/s = {row['ratio'][k]:.3f}"
-                               for k in loops) + f" | load {row['load']:.2f}", flush=True)
+            print(f"  {cell:<5} H={h:<5} B={b:<3} T={t:<5} L={layers} dev={n} | "
+                  + " | ".join(f"{k}: {row['loop_steps'][k]} steps, loop {row['loop_tokens_per_sec'][k]:11,.0f} / dispatch "
+                               f"{row['dispatch_tokens_per_sec'][k]:11,.0f} tokens/s = {row['ratio'][k]:.3f}"
+                               for k in variants) + f" | load {row['load']:.2f}", flush=True)
     return rows
 
 
@@ -496,7 +505,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="also time torch on the model as rnnlab writes it (Linear(I, H) first), a secondary column")
     parser.add_argument("--no-flax", action="store_true")
     parser.add_argument("--loop", type=int, metavar="STEPS",
-                        help="instead: tokens/s of the whole training loop (STEPS steps) against the bare step")
+                        help="instead: tokens/s of the whole training loop (STEPS steps) against its dispatch")
+    parser.add_argument("--loop-seconds", type=float, default=8.0,
+                        help="with --loop: fewer steps (>= 64) where STEPS would train for longer than this")
     parser.add_argument("--dispatch", nargs="+", type=int, metavar="K",
                         help="instead: ms per step of the loop's own dispatch at K steps per dispatch (e.g. 1 8)")
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only measure compile seconds for these num_layers")

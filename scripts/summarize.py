@@ -38,6 +38,8 @@ HERE = str(Path(__file__).resolve().parent)
 if HERE not in sys.path:  # summary_plots.py beside this file, also when it is loaded by path
     sys.path.insert(0, HERE)
 
+import zoo_protocol  # noqa: E402
+
 OK = "completed"
 SKIP_DIRS = {".hydra", "tensorboard", "checkpoints"}
 
@@ -227,17 +229,20 @@ class Sweep:
         common = " ".join(f"{k}={v}" for k, v in self.fixed.items())
         return "\n".join([title, *([f"common overrides: {common}"] if common else []), "", *lines])
 
-    def csv(self) -> str:
+    def csv(self, chosen: set[int] | None = None) -> str:
+        """Every job, every override and result; with `chosen` (a zoo's jobs at its settings' chosen
+        lrs), a `chosen_lr` column marks them."""
         keys = sorted({k for o in self.overrides for k in o})
         fields = ["status", "error", "eval_loss", "baseline_loss", "tokens_per_sec",
-                  "mfu", "wall_seconds", "step", "num_params", "compile_seconds"]
+                  "mfu", "wall_seconds", "step", "num_params", "state_floats", "compile_seconds"]
         metrics = self.metric_names()
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["job", *keys, *fields, *(f"eval_{m}" for m in metrics)])
+        writer.writerow(["job", *keys, *fields, *(f"eval_{m}" for m in metrics), *(["chosen_lr"] if chosen is not None else [])])
         for i, r in enumerate(self.results):
             writer.writerow([self.name(i), *(self.overrides[i].get(k, "") for k in keys), *(r.get(f, "") for f in fields),
-                             *((r.get("eval_metrics") or {}).get(m, "") for m in metrics)])
+                             *((r.get("eval_metrics") or {}).get(m, "") for m in metrics),
+                             *([i in chosen] if chosen is not None else [])])
         return out.getvalue()
 
     def read_curves(self) -> list[dict]:
@@ -251,53 +256,107 @@ class Sweep:
 
 
 class Zoo:
-    """The cells of a sweep compared at each eval length: the jobs whose results.json has
-    `eval_by_len` ({"<len>": {"loss": x, "<metric>": y}}), one row each."""
+    """The cells of a zoo sweep (jobs whose results.json has `eval_by_len`: {"<len>": {"loss": x,
+    "<metric>": y}}) under zoo_protocol's rule: a row per setting (the cell and the sweep's other
+    overrides but optimizer.lr and seed), at the lr chosen on the training-length eval, with the mean
+    and spread over that lr's seeds at every eval length."""
 
     def __init__(self, sweep: Sweep):
-        self.jobs = [i for i, r in enumerate(sweep.results) if r.get("eval_by_len")]
-        by_len = [{int(k): v or {} for k, v in sweep.results[i]["eval_by_len"].items()} for i in self.jobs]
-        self.lengths = sorted({n for entry in by_len for n in entry})
-        named = [sweep.results[i].get("eval_metric_name") for i in self.jobs]
-        seen = [k for entry in by_len for v in entry.values() for k in v]
+        zoo_jobs = [i for i, r in enumerate(sweep.results) if r.get("eval_by_len")]
+        by_len = {i: {int(k): v or {} for k, v in sweep.results[i]["eval_by_len"].items()} for i in zoo_jobs}
+        self.lengths = sorted({n for entry in by_len.values() for n in entry})
+        named = [sweep.results[i].get("eval_metric_name") for i in zoo_jobs]
+        seen = [k for entry in by_len.values() for v in entry.values() for k in v]
         self.metric = next((m for m in named if m in seen), next((k for k in seen if k != "loss"), "loss"))
-        self.values = [{n: v.get(self.metric) for n, v in entry.items()} for entry in by_len]
-        self.num_params = [sweep.results[i].get("num_params") for i in self.jobs]
-        self.tokens_per_sec = [sweep.results[i].get("tokens_per_sec") for i in self.jobs]
-        self.task = next((sweep.results[i]["task"] for i in self.jobs if sweep.results[i].get("task")), None)
-        seq_lens = {(sweep.configs[i].get("data") or {}).get("seq_len") for i in self.jobs}
+        self.task = next((sweep.results[i]["task"] for i in zoo_jobs if sweep.results[i].get("task")), None)
+        seq_lens = {(sweep.configs[i].get("data") or {}).get("seq_len") for i in zoo_jobs}
         seq_len = seq_lens.pop() if len(seq_lens) == 1 else None
         self.seq_len = seq_len if isinstance(seq_len, int) else None  # the training length, if the jobs share it
-        self.labels = self._labels(sweep)
         self.root = sweep.root
-        self.left_out = [f"{sweep.name(i)} ({r.get('status', '?')})" for i, r in enumerate(sweep.results)
-                         if i not in self.jobs]  # failed or still running: said below the table, not dropped
+        # Every job of a zoo sweep counts, finished or not: a failed one fails its lr (zoo_protocol).
+        members = list(range(len(sweep.jobs))) if zoo_jobs else []
+        lrs = [float(((sweep.configs[i].get("optimizer") or {}).get("lr")) or "nan") for i in members]
+        self.choices = zoo_protocol.settings([sweep.overrides[i] for i in members], [sweep.results[i] for i in members],
+                                             lrs, sweep.swept, self.metric)
+        for choice in self.choices:  # job numbers within `members` -> the sweep's
+            for g in choice.grid:
+                g.jobs = [members[j] for j in g.jobs]
+        self.lr_swept = zoo_protocol.LR_KEY in sweep.swept
+        chosen = [c.best.jobs if c.best else [] for c in self.choices]
+        self.values, self.spreads = [], []
+        for jobs in chosen:
+            stats = {n: zoo_protocol.mean_and_spread([by_len.get(j, {}).get(n, {}).get(self.metric) for j in jobs])
+                     for n in self.lengths}
+            self.values.append({n: m for n, (m, _) in stats.items()})
+            self.spreads.append({n: sd for n, (_, sd) in stats.items()})
+        mean = lambda jobs, key: zoo_protocol.mean_and_spread([sweep.results[j].get(key) for j in jobs])[0]  # noqa: E731
+        self.num_params = [mean(jobs, "num_params") for jobs in chosen]
+        self.tokens_per_sec = [mean(jobs, "tokens_per_sec") for jobs in chosen]
+        self.state_floats = [mean(jobs, "state_floats") for jobs in chosen]
+        self.cells = [self._cell(sweep, c) for c in self.choices]
+        self.labels = self._labels(sweep)
+        self.sweep = sweep
+
+    @staticmethod
+    def _cell(sweep: Sweep, choice: zoo_protocol.Choice) -> str:
+        first = choice.grid[0].jobs[0]
+        return str((sweep.configs[first].get("model") or {}).get("cell") or sweep.overrides[first].get("model") or "")
+
+    def setting_value(self, row: int, key: str) -> str | None:
+        return dict(self.choices[row].setting).get(key) or None
+
+    def numeric_setting_keys(self) -> list[str]:
+        """Swept keys besides the cell, lr and seed whose values are all numbers (data.num_pairs, hidden_dim)."""
+        keys = [k for k, _ in self.choices[0].setting] if self.choices else []
+        return [k for k in keys if k not in ("model", "model.cell")
+                and all(as_number(dict(c.setting).get(k) or "") is not None for c in self.choices)]
 
     def _labels(self, sweep: Sweep) -> list[str]:
-        """The job's cell (model.cell), then its other swept overrides and, with several sweeps,
-        its sweep dir; the job dir where that still leaves two rows alike."""
-        others = [k for k in sweep.swept if k not in ("model", "model.cell")]
+        """The setting's cell (model.cell), then its other overrides; the job dir where that still
+        leaves two rows alike."""
         labels = []
-        for i in self.jobs:
-            cell = (sweep.configs[i].get("model") or {}).get("cell") or sweep.overrides[i].get("model")
-            rest = sweep.describe((k, sweep.overrides[i][k]) for k in others if k in sweep.overrides[i])
-            label = " ".join(str(part) for part in (cell, rest) if part) or sweep.name(i)
-            labels.append(f"{sweep.sweep_of(i)}: {label}" if sweep.multi else label)
-        return [label if labels.count(label) == 1 else f"{label} ({sweep.name(i)})"
-                for label, i in zip(labels, self.jobs)]
+        for cell, choice in zip(self.cells, self.choices):
+            rest = sweep.describe((k, v) for k, v in choice.setting if k not in ("model", "model.cell") and v)
+            label = " ".join(part for part in (cell, rest) if part) or sweep.name(choice.grid[0].jobs[0])
+            labels.append(label)
+        return [label if labels.count(label) == 1 else f"{label} ({self.sweep_name(sweep, c)})"
+                for label, c in zip(labels, self.choices)]
+
+    @staticmethod
+    def sweep_name(sweep: Sweep, choice: zoo_protocol.Choice) -> str:
+        return sweep.name(choice.grid[0].jobs[0])
+
+    def lr_cell(self, row: int) -> str:
+        """The chosen lr, and how many of the grid's lrs failed (diverged, crashed or never finished)."""
+        choice = self.choices[row]
+        failed = [g for g in choice.grid if g.failed]
+        if choice.best is None:
+            statuses = sorted({self.sweep.results[j].get("status", "?") for g in choice.grid for j in g.failed})
+            lrs = f"all {len(choice.grid)} lrs failed" if self.lr_swept else "failed"
+            return f"{lrs} ({', '.join(statuses)})"
+        text = fmt(choice.best.lr if choice.best.lr == choice.best.lr else None, ".3g")  # nan: not in the config
+        return text + (f" ({len(failed)} of {len(choice.grid)} lrs failed)" if failed and self.lr_swept else "")
+
+    def value_cell(self, row: int, n: int) -> str:
+        mean, spread = self.values[row].get(n), self.spreads[row].get(n)
+        return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "")
 
     def markdown(self) -> str:
         trained = f", trained at seq_len {self.seq_len}" if self.seq_len else ""
+        seeds = max((len(c.best.jobs) for c in self.choices if c.best), default=0)
+        protocol = (f"each at its best lr of the grid on the training-length eval, mean ± sd over {seeds} seed(s)"
+                    if self.lr_swept else f"one lr, mean ± sd over {seeds} seed(s)")
         head = ["cell", *(f"{self.metric}@{n}" + (" (train)" if n == self.seq_len else "") for n in self.lengths),
-                "params", "tokens/s"]
+                "lr", "seeds", "state floats", "params", "tokens/s"]
         lines = [f"Zoo{f' ({self.task})' if self.task else ''}: eval {self.metric} by eval length, "
-                 f"{len(self.jobs)} job(s) under {self.root}{trained}", "",
+                 f"{len(self.choices)} setting(s) under {self.root}{trained}; {protocol}", "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        for label, values, params, tokens in zip(self.labels, self.values, self.num_params, self.tokens_per_sec):
-            cells = [label, *(fmt(values.get(n)) for n in self.lengths), fmt(params, ","), fmt(tokens, ",")]
+        for row, label in enumerate(self.labels):
+            best = self.choices[row].best
+            cells = [label, *(self.value_cell(row, n) for n in self.lengths), self.lr_cell(row),
+                     str(len(best.jobs)) if best else "0", fmt(self.state_floats[row], ","),
+                     fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ",")]
             lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
-        if self.left_out:
-            lines += ["", f"not in the table (no eval_by_len): {', '.join(self.left_out)}"]
         return "\n".join(lines)
 
 
@@ -314,12 +373,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     out = args.out or args.root
     out.mkdir(parents=True, exist_ok=True)
-    table, table_csv = sweep.markdown(), sweep.csv()
+    zoo = Zoo(sweep)
+    chosen = {j for c in zoo.choices if c.best for j in c.best.jobs} if zoo.choices else None
+    table, table_csv = sweep.markdown(), sweep.csv(chosen)
     (out / "summary.md").write_text(table + "\n")
     (out / "summary.csv").write_text(table_csv)
     print(table_csv if args.csv else table)
-    zoo = Zoo(sweep)
-    if zoo.jobs:
+    if zoo.choices:
         zoo_table = zoo.markdown()
         (out / "zoo_table.md").write_text(zoo_table + "\n")
         if not args.csv:

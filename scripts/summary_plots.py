@@ -121,7 +121,7 @@ def zoo_figure(zoo: Any, plt: Any) -> Any:
     """The zoo's metric against eval length, a line per cell, lengths on a log2 axis with a tick at
     each; a dashed line at the training length when the jobs share one."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, values, style in zip(zoo.labels, zoo.values, styles(plt, len(zoo.jobs))):
+    for label, values, style in zip(zoo.labels, zoo.values, styles(plt, len(zoo.labels))):
         pts = [(n, values[n]) for n in zoo.lengths if values.get(n) is not None]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=label, **style)
@@ -138,6 +138,70 @@ def zoo_figure(zoo: Any, plt: Any) -> Any:
     return fig
 
 
+def zoo_train_metric(zoo: Any, row: int) -> float | None:
+    """A zoo row's metric at the training length (its chosen lr's mean over seeds)."""
+    return zoo.values[row].get(zoo.seq_len) if zoo.seq_len else None
+
+
+def zoo_param_figure(zoo: Any, key: str, plt: Any) -> Any:
+    """The zoo's metric at the training length against a numeric swept key (data.num_pairs), a line
+    per setting of the other keys (the cell, hidden_dim...), ticks at the swept values."""
+    lines: dict[str, list[tuple[float, float]]] = {}
+    for row, label in enumerate(zoo.labels):
+        x, y = zoo.setting_value(row, key), zoo_train_metric(zoo, row)
+        rest = " ".join(part for part in label.split() if not part.startswith(key.split(".")[-1] + "="))
+        lines.setdefault(rest, [])
+        if x is not None and y is not None:
+            lines[rest].append((float(x), y))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for (label, pts), style in zip(lines.items(), styles(plt, len(lines))):
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=label, **style)
+    xs = sorted({x for pts in lines.values() for x, _ in pts})
+    if xs and min(xs) > 0 and max(xs) / min(xs) >= 4:
+        ax.set_xscale("log", base=2)
+    fixed_ticks(ax, [(x, format(x, "g")) for x in xs])
+    ax.set(xlabel=key, ylabel=f"eval {zoo.metric} at seq_len {zoo.seq_len}",
+           title=f"{zoo.task or 'zoo'}: eval {zoo.metric} against {key} (best lr of each)")
+    ax.grid(True, alpha=0.3)
+    legend(ax)
+    fig.tight_layout()
+    return fig
+
+
+def zoo_state_figure(zoo: Any, panel_key: str | None, plt: Any) -> Any:
+    """Zoology's Figure 2: the metric at the training length against the floats of recurrent state
+    per layer (results.json's state_floats, log2 axis), a line per cell through its settings (hidden
+    sizes), a panel per value of `panel_key` (data.num_pairs) when given."""
+    panels = sorted({zoo.setting_value(r, panel_key) for r in range(len(zoo.labels))}, key=natural_key) \
+        if panel_key else [None]
+    cells = list(dict.fromkeys(zoo.cells))
+    palette = dict(zip(cells, styles(plt, len(cells))))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1.5, 4.2), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for cell in cells:
+            pts = sorted((zoo.state_floats[r], zoo_train_metric(zoo, r)) for r in range(len(zoo.labels))
+                         if zoo.cells[r] == cell and (panel_key is None or zoo.setting_value(r, panel_key) == panel)
+                         and zoo.state_floats[r] and zoo_train_metric(zoo, r) is not None)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=cell, **palette[cell])
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="state floats per layer (log2 axis)", title=f"{panel_key}={panel}" if panel_key else "")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(f"eval {zoo.metric} at seq_len {zoo.seq_len}")
+    legend(axes[0][-1])
+    fig.suptitle(f"{zoo.task or 'zoo'}: eval {zoo.metric} against recurrent state size (best lr of each)")
+    fig.tight_layout()
+    return fig
+
+
+def natural_key(text: Any) -> tuple:
+    try:
+        return (0, float(text), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(text))
+
+
 def file_name(text: str) -> str:
     """A parameter or metric name as part of a file name: anything but [A-Za-z0-9_.-] becomes _."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
@@ -145,12 +209,20 @@ def file_name(text: str) -> str:
 
 def plot(sweep: Any, zoo: Any, out: Path) -> list[Path]:
     """Writes loss_curves.png, sweep_<param>.png per swept parameter and, for a zoo,
-    zoo_<metric>_by_len.png; returns the files written."""
+    zoo_<metric>_by_len.png, zoo_<metric>_by_<key>.png per numeric swept setting key (data.num_pairs,
+    hidden_dim) and zoo_<metric>_by_state_floats.png where state sizes differ; returns the files written."""
     plt = pyplot()
     figures = [("loss_curves.png", loss_figure(sweep, plt))]
     figures += [(f"sweep_{file_name(param)}.png", param_figure(sweep, param, plt)) for param in sweep.swept]
-    if zoo is not None and zoo.jobs:
-        figures.append((f"zoo_{file_name(zoo.metric)}_by_len.png", zoo_figure(zoo, plt)))
+    if zoo is not None and zoo.choices:
+        metric = file_name(zoo.metric)
+        figures.append((f"zoo_{metric}_by_len.png", zoo_figure(zoo, plt)))
+        keys = zoo.numeric_setting_keys()
+        for key in keys:
+            figures.append((f"zoo_{metric}_by_{file_name(key)}.png", zoo_param_figure(zoo, key, plt)))
+        if zoo.seq_len and len({f for f in zoo.state_floats if f}) > 1:
+            panel = "data.num_pairs" if "data.num_pairs" in keys else None
+            figures.append((f"zoo_{metric}_by_state_floats.png", zoo_state_figure(zoo, panel, plt)))
     written = []
     for name, fig in figures:
         written.append(out / name)

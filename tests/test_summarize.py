@@ -169,13 +169,15 @@ def test_zoo_table_has_a_row_per_cell_and_a_column_per_length(tmp_path, scripts,
     table = (root / "zoo_table.md").read_text()
     assert table.strip() in capsys.readouterr().out
     lines = table.splitlines()
-    assert lines[0].startswith("Zoo (mqar): eval accuracy by eval length, 3 job(s) under") and "seq_len 32" in lines[0]
-    assert lines[2] == "| cell | accuracy@16 | accuracy@32 (train) | accuracy@128 | params | tokens/s |"
+    assert lines[0].startswith("Zoo (mqar): eval accuracy by eval length, 4 setting(s) under") and "seq_len 32" in lines[0]
+    assert lines[0].endswith("one lr, mean ± sd over 1 seed(s)")
+    assert lines[2] == ("| cell | accuracy@16 | accuracy@32 (train) | accuracy@128 | lr | seeds | state floats | params"
+                        " | tokens/s |")
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[4:7]]
     for n, (row, cell) in enumerate(zip(rows, ("rnn", "lstm", "mingru"))):
         expected = [format(LENGTHS[k] / (n + 1), ".4g") for k in ("16", "32", "128")]
-        assert row == [cell, *expected, f"{12345 * (n + 1):,}", f"{1234567 / (n + 1):,.0f}"]
-    assert "not in the table (no eval_by_len): 3_model=gru (missing)" in table
+        assert row == [cell, *expected, "n/a", "1", "n/a", f"{12345 * (n + 1):,}", f"{1234567 / (n + 1):,.0f}"]
+    assert lines[7] == "| gru | n/a | n/a | n/a | failed (missing) | 0 | n/a | n/a | n/a |"  # a dead job is a row
 
 
 def test_zoo_rows_name_the_other_swept_overrides(tmp_path, scripts):
