@@ -41,6 +41,7 @@ if HERE not in sys.path:  # summary_plots.py beside this file, also when it is l
 import zoo_protocol  # noqa: E402
 
 OK = "completed"
+SWEEP_KEY = "sweep"  # a zoo setting's sweep dir, where the root holds several sweeps
 SKIP_DIRS = {".hydra", "tensorboard", "checkpoints"}
 
 
@@ -276,8 +277,10 @@ class Zoo:
         # Every job of a zoo sweep counts, finished or not: a failed one fails its lr (zoo_protocol).
         members = list(range(len(sweep.jobs))) if zoo_jobs else []
         lrs = [float(((sweep.configs[i].get("optimizer") or {}).get("lr")) or "nan") for i in members]
-        self.choices = zoo_protocol.settings([sweep.overrides[i] for i in members], [sweep.results[i] for i in members],
-                                             lrs, sweep.swept, self.metric)
+        # Jobs of several sweeps (a folder of sweeps): the sweep dir is part of the setting, never a seed of another's.
+        overrides = [({SWEEP_KEY: sweep.sweep_of(i)} if sweep.multi else {}) | sweep.overrides[i] for i in members]
+        swept = [SWEEP_KEY] * sweep.multi + sweep.swept
+        self.choices = zoo_protocol.settings(overrides, [sweep.results[i] for i in members], lrs, swept, self.metric)
         for choice in self.choices:  # job numbers within `members` -> the sweep's
             for g in choice.grid:
                 g.jobs = [members[j] for j in g.jobs]
@@ -308,7 +311,7 @@ class Zoo:
     def numeric_setting_keys(self) -> list[str]:
         """Swept keys besides the cell, lr and seed whose values are all numbers (data.num_pairs, hidden_dim)."""
         keys = [k for k, _ in self.choices[0].setting] if self.choices else []
-        return [k for k in keys if k not in ("model", "model.cell")
+        return [k for k in keys if k not in ("model", "model.cell", SWEEP_KEY)
                 and all(as_number(dict(c.setting).get(k) or "") is not None for c in self.choices)]
 
     def _labels(self, sweep: Sweep) -> list[str]:

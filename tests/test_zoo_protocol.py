@@ -113,6 +113,16 @@ def test_a_failed_job_fails_its_lr_and_is_reported(tmp_path, summarize):
     assert "| rnn | n/a | n/a | all 2 lrs failed (diverged, failed, missing) | 0 |" in table_text
 
 
+def test_two_sweeps_of_the_same_setting_stay_apart(tmp_path, summarize):
+    """A folder of two zoo sweeps: the same cell in each is two rows, not one row with twice the seeds."""
+    for name, acc in (("a", 0.9), ("b", 0.3)):
+        grid_sweep(tmp_path / "zoos" / name, {("gru", lr, 0): ("completed", acc, acc) for lr in LRS})
+    zoo = summarize.Zoo(summarize.Sweep(tmp_path / "zoos"))
+    assert [len(c.best.jobs) for c in zoo.choices] == [1, 1]
+    assert sorted(v[TRAIN_LEN] for v in zoo.values) == [0.3, 0.9]
+    assert sorted(zoo.labels) == ["gru sweep=a", "gru sweep=b"]
+
+
 def test_the_zoo_presets_sweep_lrs_and_seeds():
     for zoo in ("zoo_parity", "zoo_selective_copy", "zoo_mqar"):
         params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
