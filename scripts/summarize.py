@@ -235,7 +235,7 @@ class Sweep:
         lrs), a `chosen_lr` column marks them."""
         keys = sorted({k for o in self.overrides for k in o})
         fields = ["status", "error", "eval_loss", "baseline_loss", "tokens_per_sec",
-                  "mfu", "wall_seconds", "step", "num_params", "state_floats", "compile_seconds"]
+                  "mfu", "wall_seconds", "step", "num_params", "state_floats", "compile_seconds", "platform"]
         metrics = self.metric_names()
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
@@ -296,6 +296,10 @@ class Zoo:
         self.num_params = [mean(jobs, "num_params") for jobs in chosen]
         self.tokens_per_sec = [mean(jobs, "tokens_per_sec") for jobs in chosen]
         self.state_floats = [mean(jobs, "state_floats") for jobs in chosen]
+        # Where each row ran (results.json's platform): a column only when the table mixes platforms.
+        self.platforms = [", ".join(sorted({str(sweep.results[j]["platform"]) for j in jobs
+                                            if sweep.results[j].get("platform")})) for jobs in chosen]
+        self.mixed_platforms = len(set(self.platforms) - {""}) > 1
         self.cells = [self._cell(sweep, c) for c in self.choices]
         self.labels = self._labels(sweep)
         self.sweep = sweep
@@ -350,7 +354,7 @@ class Zoo:
         protocol = (f"each at its best lr of the grid on the training-length eval, mean ± sd over {seeds} seed(s)"
                     if self.lr_swept else f"one lr, mean ± sd over {seeds} seed(s)")
         head = ["cell", *(f"{self.metric}@{n}" + (" (train)" if n == self.seq_len else "") for n in self.lengths),
-                "lr", "seeds", "state floats", "params", "tokens/s"]
+                "lr", "seeds", "state floats", "params", "tokens/s", *["platform"] * self.mixed_platforms]
         lines = [f"Zoo{f' ({self.task})' if self.task else ''}: eval {self.metric} by eval length, "
                  f"{len(self.choices)} setting(s) under {self.root}{trained}; {protocol}", "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -358,7 +362,8 @@ class Zoo:
             best = self.choices[row].best
             cells = [label, *(self.value_cell(row, n) for n in self.lengths), self.lr_cell(row),
                      str(len(best.jobs)) if best else "0", fmt(self.state_floats[row], ","),
-                     fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ",")]
+                     fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ","),
+                     *[self.platforms[row] or "n/a"] * self.mixed_platforms]
             lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines)
 

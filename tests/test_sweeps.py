@@ -150,6 +150,7 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     assert [j.name for j in jobs] == ["0_hidden_dim=8", "1_hidden_dim=16"]  # worker processes name them alike
     hydra_cfg = yaml.safe_load((jobs[0] / ".hydra" / "hydra.yaml").read_text())["hydra"]
     assert hydra_cfg["job"]["env_set"]["RNNLAB_PIN_CPU"] == "1"  # one core per job
+    assert hydra_cfg["job"]["env_set"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # jobs share a GPU
     assert all("pinned to CPU core" in (job / "train.log").read_text() for job in jobs)
 
 

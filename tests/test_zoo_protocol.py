@@ -31,7 +31,7 @@ def summarize(monkeypatch):
         __import__("sys").modules["matplotlib.pyplot"].close("all")
 
 
-def write_job(root, n, overrides, status="completed", train=None, long=None, state_floats=64):
+def write_job(root, n, overrides, status="completed", train=None, long=None, state_floats=64, platform="cpu"):
     """A zoo job dir as train.py leaves it: overrides, config, results.json with eval_by_len."""
     job = root / f"{n}_{','.join(overrides)}"
     (job / ".hydra").mkdir(parents=True)
@@ -46,7 +46,7 @@ def write_job(root, n, overrides, status="completed", train=None, long=None, sta
                "eval_metrics": {"accuracy": train if finished else None},
                "eval_by_len": {str(TRAIN_LEN): {"loss": None, "accuracy": train if finished else None},
                                str(LONG): {"loss": None, "accuracy": long if finished else None}},
-               "num_params": 100, "state_floats": state_floats, "tokens_per_sec": 1000.0}
+               "num_params": 100, "state_floats": state_floats, "tokens_per_sec": 1000.0, "platform": platform}
     (job / "results.json").write_text(json.dumps(results))
 
 
@@ -121,6 +121,17 @@ def test_two_sweeps_of_the_same_setting_stay_apart(tmp_path, summarize):
     assert [len(c.best.jobs) for c in zoo.choices] == [1, 1]
     assert sorted(v[TRAIN_LEN] for v in zoo.values) == [0.3, 0.9]
     assert sorted(zoo.labels) == ["gru sweep=a", "gru sweep=b"]
+
+
+def test_a_table_that_mixes_platforms_names_each_rows(tmp_path, summarize):
+    root = grid_sweep(tmp_path / "zoo", {(cell, lr, 0): ("completed", 0.5, 0.4) for cell in ("gru", "gla") for lr in LRS})
+    assert "platform" not in summarize.Zoo(summarize.Sweep(root)).markdown()  # one platform: no column
+    for job in root.glob("*model=gla*"):
+        results = json.loads((job / "results.json").read_text())
+        (job / "results.json").write_text(json.dumps(results | {"platform": "gpu"}))
+    lines = summarize.Zoo(summarize.Sweep(root)).markdown().splitlines()
+    assert lines[2].endswith("| tokens/s | platform |")
+    assert [line.rsplit("|", 2)[1].strip() for line in lines[4:]] == ["cpu", "gpu"]
 
 
 def test_the_zoo_presets_sweep_lrs_and_seeds():
