@@ -299,7 +299,6 @@ class Zoo:
         # Where each row ran (results.json's platform): a column only when the table mixes platforms.
         self.platforms = [", ".join(sorted({str(sweep.results[j]["platform"]) for j in jobs
                                             if sweep.results[j].get("platform")})) for jobs in chosen]
-        self.mixed_platforms = len(set(self.platforms) - {""}) > 1
         self.cells = [self._cell(sweep, c) for c in self.choices]
         self.labels = self._labels(sweep)
         self.sweep = sweep
@@ -353,8 +352,9 @@ class Zoo:
         seeds = max((len(c.best.jobs) for c in self.choices if c.best), default=0)
         protocol = (f"each at its best lr of the grid on the training-length eval, mean ± sd over {seeds} seed(s)"
                     if self.lr_swept else f"one lr, mean ± sd over {seeds} seed(s)")
+        mixed = len(set(self.platforms) - {""}) > 1
         head = ["cell", *(f"{self.metric}@{n}" + (" (train)" if n == self.seq_len else "") for n in self.lengths),
-                "lr", "seeds", "state floats", "params", "tokens/s", *["platform"] * self.mixed_platforms]
+                "lr", "seeds", "state floats", "params", "tokens/s", *["platform"] * mixed]
         lines = [f"Zoo{f' ({self.task})' if self.task else ''}: eval {self.metric} by eval length, "
                  f"{len(self.choices)} setting(s) under {self.root}{trained}; {protocol}", "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -363,7 +363,7 @@ class Zoo:
             cells = [label, *(self.value_cell(row, n) for n in self.lengths), self.lr_cell(row),
                      str(len(best.jobs)) if best else "0", fmt(self.state_floats[row], ","),
                      fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ","),
-                     *[self.platforms[row] or "n/a"] * self.mixed_platforms]
+                     *[self.platforms[row] or "n/a"] * mixed]
             lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines)
 
