@@ -65,9 +65,16 @@ def _validate_model(c: Config) -> None:
     if m.recurrence == "custom_vjp" and not m.make_cell().has_backward:
         raise ConfigError(f"key 'model.recurrence': got 'custom_vjp', but cell {m.cell!r} has no hand-written "
                           f"backward; allowed: autodiff")
-    if m.recurrence == "custom_vjp" and m.remat:
+    if m.recurrence in ("onednn", "auto") and m.make_cell().onednn_kernel is None:
+        with_kernel = [name for name in cells.cell_names() if cells.get_cell(name).onednn_kernel]
+        raise ConfigError(f"key 'model.recurrence': got {m.recurrence!r}, but cell {m.cell!r} has no oneDNN kernel; "
+                          f"allowed: autodiff, custom_vjp (onednn and auto: {', '.join(with_kernel)})")
+    if m.recurrence == "onednn" and m.dtype != "float32":
+        raise ConfigError(f"key 'model.dtype': got {m.dtype!r}, but model.recurrence=onednn runs float32 only; "
+                          f"allowed: float32, or model.recurrence=auto or custom_vjp")
+    if m.recurrence in ("custom_vjp", "onednn", "auto") and m.remat:
         raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
-                          "(the custom_vjp backward keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
+                          f"(model.recurrence={m.recurrence} keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
     if m.unroll is not None:
         _positive("model.unroll", m.unroll)
     _choice("model.block", m.block, BLOCKS)

@@ -17,7 +17,7 @@ from rnnlab import cells, tasks
 
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
-RECURRENCES = ("autodiff", "custom_vjp")
+RECURRENCES = ("autodiff", "custom_vjp", "onednn", "auto")
 BLOCKS = ("plain", "residual")
 OPTIMIZERS = ("adam", "adamw", "sgd")
 SCHEDULES = ("cosine", "constant")

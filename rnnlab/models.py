@@ -27,15 +27,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab import onednn
 from rnnlab.cells import Cell, SequenceCell, get_cell
 from rnnlab.config import ModelConfig
 from rnnlab.recurrence import linear, recurrence
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -154,7 +158,9 @@ class RecurrentLayer(nn.Module):
     init_scheme: str = "uniform"  # see `rnnlab.cells.INITIALIZERS` (not `init`: that is Module.init)
     activation: str = "tanh"
     forget_bias: float = 1.0  # initial forget-gate bias, for cells that have one
-    recurrence: str = "autodiff"  # autodiff: jax.grad of the scanned cell | custom_vjp: the cell's own backward
+    # autodiff: jax.grad of the scanned cell | custom_vjp: the cell's own backward | onednn: its oneDNN
+    # kernel | auto: onednn where `onednn.prefers` the shape, else custom_vjp
+    recurrence: str = "autodiff"
     remat: bool = False  # recompute each step in the backward pass instead of storing it (autodiff)
     unroll: int = 1  # time steps per iteration of the scan's loop
     time_scan: str = "sequential"  # linear cells: sequential | associative
@@ -177,7 +183,10 @@ class RecurrentLayer(nn.Module):
         b = self.param("b", cell.bias_init(), (width,))
         params = CellParams(cell, name="cell")()
         ids = is_token_ids(x)
-        if projection is not None and not cell.uses_layer_input and folds_projection(
+        # oneDNN's layer takes the float input x and W_xh itself: no folded gather of token ids
+        onednn_layer = self.recurrence == "onednn" or (
+            self.recurrence == "auto" and self.dtype == jnp.float32 and onednn.prefers(x.shape[1], self.hidden_dim))
+        if projection is not None and not cell.uses_layer_input and not (ids and onednn_layer) and folds_projection(
                 projection[0].shape[0], self.hidden_dim, tokens=x.size if ids else None):
             w_xh, b = fold_projection(projection, w_xh, b)  # token ids: their input term is a gather of P W_xh
         elif projection is not None:
@@ -192,7 +201,10 @@ class RecurrentLayer(nn.Module):
         if isinstance(cell, SequenceCell):  # every step's input term at once, then the cell's own form
             hs = cell.mix(params, input_term(x, w_xh) + b, x, self.time_scan, self.unroll, self.recurrence)
             return self._dropout(hs), None
-        if self.recurrence == "custom_vjp":
+        if onednn_layer:
+            hs = onednn.KERNELS[cell.onednn_kernel](x, w_xh, b, params)
+            return self._dropout(hs), None
+        if self.recurrence in ("custom_vjp", "auto"):
             hs = recurrence(cell, self.unroll, input_term(x, w_xh), b, params)
             return self._dropout(hs), None
 
@@ -354,8 +366,30 @@ def build_model(config: ModelConfig, output_dim: int, platform: str | None = Non
     """The model of `config` for a task with `output_dim` outputs and `input_dim` inputs (the task's;
     needed where the inputs are token ids), trained on `platform` (default: JAX's default backend),
     with `model.unroll=null` resolved for that platform (`default_unroll`)."""
-    unroll = config.unroll or default_unroll(platform or jax.default_backend())
-    return RecurrentModel(dataclasses.replace(config, unroll=unroll), output_dim, input_dim)
+    platform = platform or jax.default_backend()
+    unroll = config.unroll or default_unroll(platform)
+    return RecurrentModel(dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform)),
+                          output_dim, input_dim)
+
+
+def resolve_recurrence(config: ModelConfig, platform: str) -> str:
+    """`model.recurrence`, or "custom_vjp" where an "onednn" or "auto" layer cannot run oneDNN's kernel
+    (not on CPU, or the kernel not built); a one-line notice where that changes an explicit "onednn",
+    or an "auto" whose width would take it."""
+    recurrence = config.recurrence
+    if recurrence not in ("onednn", "auto"):
+        return recurrence
+    ok, why = onednn.available() if platform == "cpu" else (False, f"oneDNN's kernel runs on CPU, not {platform}")
+    if not ok:
+        if recurrence == "onednn" or (platform == "cpu" and config.hidden_dim >= onednn.MIN_HIDDEN):
+            _notice_once(f"model.recurrence={recurrence}: {why}; running model.recurrence=custom_vjp (XLA) instead")
+        return "custom_vjp"
+    return recurrence
+
+
+@functools.cache
+def _notice_once(message: str) -> None:
+    log.warning(message)
 
 
 def stack_layer_params(params: dict, num_layers: int) -> dict:

@@ -22,6 +22,7 @@ class LSTM(Cell):
     num_gates = 4
     prefetch = True
     torch_class = "LSTM"
+    onednn_kernel = "lstm"
 
     def bias_init(self):
         def init(key, shape, dtype=jnp.float32):

@@ -1,0 +1,219 @@
+// One LSTM layer, forward and backward, as oneDNN's fused RNN primitive (the one torch's CPU
+// nn.LSTM runs), exposed to XLA as FFI custom calls. Built on first use by rnnlab/onednn.py.
+//
+// Layouts are rnnlab's own, so no array is copied on the way in or out:
+//   x [T, B, I] (oneDNN tnc), W_xh [I, 4H] (ldigo with L = D = 1), W_hh [H, 4H] (ldigo),
+//   b [4H] (ldgo), hs [T, B, H] (tnc); gate blocks i, f, g, o in both libraries.
+// The initial state is zero. The forward's workspace (the gates and states the backward
+// reads) is an output of the forward call and an input of the backward call.
+
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "oneapi/dnnl/dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dnnl::memory;
+using tag = dnnl::memory::format_tag;
+using dt = dnnl::memory::data_type;
+
+namespace {
+
+struct Shape {
+  int64_t t, b, i, h;
+  bool operator<(const Shape& o) const { return std::tie(t, b, i, h) < std::tie(o.t, o.b, o.i, o.h); }
+};
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// The primitives of one shape: made once (oneDNN generates their kernels), then reused.
+struct Lstm {
+  dnnl::lstm_forward::primitive_desc fwd_pd;
+  dnnl::lstm_backward::primitive_desc bwd_pd;
+  dnnl::lstm_forward fwd;
+  dnnl::lstm_backward bwd;
+  memory::desc x_md, wx_md, wh_md, b_md, hs_md;  // rnnlab's layouts
+  memory::desc state_md;  // the initial h and c, [1, 1, B, H] each: zeros
+
+  explicit Lstm(const Shape& s) {
+    auto& engine = cpu_engine();
+    x_md = memory::desc({s.t, s.b, s.i}, dt::f32, tag::tnc);
+    hs_md = memory::desc({s.t, s.b, s.h}, dt::f32, tag::tnc);
+    wx_md = memory::desc({1, 1, s.i, 4, s.h}, dt::f32, tag::ldigo);
+    wh_md = memory::desc({1, 1, s.h, 4, s.h}, dt::f32, tag::ldigo);
+    b_md = memory::desc({1, 1, 4, s.h}, dt::f32, tag::ldgo);
+    auto wx_any = memory::desc({1, 1, s.i, 4, s.h}, dt::f32, tag::any);
+    auto wh_any = memory::desc({1, 1, s.h, 4, s.h}, dt::f32, tag::any);
+    state_md = memory::desc({1, 1, s.b, s.h}, dt::f32, tag::ldnc);
+    memory::desc none;
+    dnnl::primitive_attr attr;
+    attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // concurrent calls (one per device) each bring their own
+    fwd_pd = dnnl::lstm_forward::primitive_desc(
+        engine, dnnl::prop_kind::forward_training, dnnl::rnn_direction::unidirectional_left2right, x_md, state_md, state_md,
+        wx_any, wh_any, b_md, hs_md, none, none, attr);
+    bwd_pd = dnnl::lstm_backward::primitive_desc(
+        engine, dnnl::prop_kind::backward, dnnl::rnn_direction::unidirectional_left2right, x_md, state_md, state_md,
+        wx_any, wh_any, b_md, hs_md, none, none, x_md, state_md, state_md, wx_md, wh_md, b_md, hs_md, none, none,
+        fwd_pd, attr);
+    fwd = dnnl::lstm_forward(fwd_pd);
+    bwd = dnnl::lstm_backward(bwd_pd);
+  }
+};
+
+Lstm& lstm_for(const Shape& s) {
+  static std::mutex mutex;
+  static std::map<Shape, std::unique_ptr<Lstm>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& entry = cache[s];
+  if (!entry) entry = std::make_unique<Lstm>(s);
+  return *entry;
+}
+
+// `user` in rnnlab's layout, or a copy of it reordered into `wanted` (held in `storage`).
+memory as_layout(const memory& user, const memory::desc& wanted, dnnl::stream& stream, std::vector<uint8_t>& storage) {
+  if (user.get_desc() == wanted) return user;
+  storage.resize(wanted.get_size());
+  memory out(wanted, cpu_engine(), storage.data());
+  dnnl::reorder(user, out).execute(stream, const_cast<memory&>(user), out);
+  return out;
+}
+
+memory wrap(const memory::desc& md, const void* data) {
+  return memory(md, cpu_engine(), const_cast<void*>(data));
+}
+
+Shape shape_of(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w_hh) {
+  auto xd = x.dimensions();
+  return Shape{xd[0], xd[1], xd[2], w_hh.dimensions()[0]};
+}
+
+ffi::Error check(const Shape& s, ffi::Buffer<ffi::F32>& w_xh, ffi::Buffer<ffi::F32>& w_hh, ffi::Buffer<ffi::F32>& b) {
+  auto wx = w_xh.dimensions();
+  auto wh = w_hh.dimensions();
+  if (wx.size() != 2 || wx[0] != s.i || wx[1] != 4 * s.h || wh.size() != 2 || wh[1] != 4 * s.h ||
+      b.element_count() != static_cast<size_t>(4 * s.h))
+    return ffi::Error::InvalidArgument("rnnlab onednn lstm: expected W_xh [I, 4H], W_hh [H, 4H], b [4H]");
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buffer<ffi::F32> w_hh,
+                   ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> hs, ffi::ResultBuffer<ffi::U8> workspace) {
+  Shape s = shape_of(x, w_hh);
+  if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
+  try {
+    Lstm& lstm = lstm_for(s);
+    if (workspace->size_bytes() < lstm.fwd_pd.workspace_desc().get_size())
+      return ffi::Error::InvalidArgument("rnnlab onednn lstm: workspace too small");
+    dnnl::stream stream(cpu_engine());
+    thread_local std::vector<uint8_t> wx_store, wh_store, scratch;
+    memory wx = as_layout(wrap(lstm.wx_md, w_xh.typed_data()), lstm.fwd_pd.weights_layer_desc(), stream, wx_store);
+    memory wh = as_layout(wrap(lstm.wh_md, w_hh.typed_data()), lstm.fwd_pd.weights_iter_desc(), stream, wh_store);
+    scratch.resize(lstm.fwd_pd.scratchpad_desc().get_size());
+    thread_local std::vector<float> zeros;
+    zeros.assign(s.b * s.h, 0.0f);
+    lstm.fwd.execute(stream, {
+        {DNNL_ARG_SRC_LAYER, wrap(lstm.x_md, x.typed_data())},
+        {DNNL_ARG_SRC_ITER, wrap(lstm.state_md, zeros.data())},
+        {DNNL_ARG_SRC_ITER_C, wrap(lstm.state_md, zeros.data())},
+        {DNNL_ARG_WEIGHTS_LAYER, wx},
+        {DNNL_ARG_WEIGHTS_ITER, wh},
+        {DNNL_ARG_BIAS, wrap(lstm.b_md, b.typed_data())},
+        {DNNL_ARG_DST_LAYER, wrap(lstm.hs_md, hs->typed_data())},
+        {DNNL_ARG_WORKSPACE, wrap(lstm.fwd_pd.workspace_desc(), workspace->typed_data())},
+        {DNNL_ARG_SCRATCHPAD, wrap(lstm.fwd_pd.scratchpad_desc(), scratch.data())},
+    });
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("rnnlab onednn lstm forward: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buffer<ffi::F32> w_hh,
+                    ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> hs, ffi::Buffer<ffi::U8> workspace,
+                    ffi::Buffer<ffi::F32> d_hs, ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw_xh,
+                    ffi::ResultBuffer<ffi::F32> dw_hh, ffi::ResultBuffer<ffi::F32> db) {
+  Shape s = shape_of(x, w_hh);
+  if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
+  try {
+    Lstm& lstm = lstm_for(s);
+    dnnl::stream stream(cpu_engine());
+    thread_local std::vector<uint8_t> wx_store, wh_store, scratch;
+    memory wx = as_layout(wrap(lstm.wx_md, w_xh.typed_data()), lstm.bwd_pd.weights_layer_desc(), stream, wx_store);
+    memory wh = as_layout(wrap(lstm.wh_md, w_hh.typed_data()), lstm.bwd_pd.weights_iter_desc(), stream, wh_store);
+    scratch.resize(lstm.bwd_pd.scratchpad_desc().get_size());
+    // oneDNN adds the weight gradients into these buffers: start them at zero.
+    std::memset(dw_xh->typed_data(), 0, dw_xh->size_bytes());
+    std::memset(dw_hh->typed_data(), 0, dw_hh->size_bytes());
+    std::memset(db->typed_data(), 0, db->size_bytes());
+    thread_local std::vector<float> zeros, d_h0, d_c0;  // the initial state, and its gradients (not returned)
+    zeros.assign(s.b * s.h, 0.0f);
+    d_h0.resize(s.b * s.h);
+    d_c0.resize(s.b * s.h);
+    lstm.bwd.execute(stream, {
+        {DNNL_ARG_SRC_LAYER, wrap(lstm.x_md, x.typed_data())},
+        {DNNL_ARG_SRC_ITER, wrap(lstm.state_md, zeros.data())},
+        {DNNL_ARG_SRC_ITER_C, wrap(lstm.state_md, zeros.data())},
+        {DNNL_ARG_DIFF_SRC_ITER, wrap(lstm.state_md, d_h0.data())},
+        {DNNL_ARG_DIFF_SRC_ITER_C, wrap(lstm.state_md, d_c0.data())},
+        {DNNL_ARG_WEIGHTS_LAYER, wx},
+        {DNNL_ARG_WEIGHTS_ITER, wh},
+        {DNNL_ARG_BIAS, wrap(lstm.b_md, b.typed_data())},
+        {DNNL_ARG_DST_LAYER, wrap(lstm.hs_md, hs.typed_data())},
+        {DNNL_ARG_WORKSPACE, wrap(lstm.bwd_pd.workspace_desc(), workspace.typed_data())},
+        {DNNL_ARG_DIFF_DST_LAYER, wrap(lstm.hs_md, d_hs.typed_data())},
+        {DNNL_ARG_DIFF_SRC_LAYER, wrap(lstm.x_md, dx->typed_data())},
+        {DNNL_ARG_DIFF_WEIGHTS_LAYER, wrap(lstm.wx_md, dw_xh->typed_data())},
+        {DNNL_ARG_DIFF_WEIGHTS_ITER, wrap(lstm.wh_md, dw_hh->typed_data())},
+        {DNNL_ARG_DIFF_BIAS, wrap(lstm.b_md, db->typed_data())},
+        {DNNL_ARG_SCRATCHPAD, wrap(lstm.bwd_pd.scratchpad_desc(), scratch.data())},
+    });
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("rnnlab onednn lstm backward: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnlabLstmForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnlabLstmBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// The forward's workspace size in bytes for this shape (asked when the step is traced), or -1.
+extern "C" int64_t rnnlab_lstm_workspace_bytes(int64_t t, int64_t b, int64_t i, int64_t h) {
+  try {
+    return static_cast<int64_t>(lstm_for(Shape{t, b, i, h}).fwd_pd.workspace_desc().get_size());
+  } catch (const dnnl::error&) {
+    return -1;
+  }
+}

@@ -1,0 +1,149 @@
+"""oneDNN's fused LSTM layer (the kernel behind torch's CPU `nn.LSTM`) as an XLA FFI call: `model.recurrence=onednn`.
+
+XLA's CPU code generation runs an LSTM step as separate matmul and elementwise passes; oneDNN's
+RNN primitive fuses the gates into its per-step GEMMs and packs `W_hh` once per call. The kernel
+(`rnnlab/native/onednn_lstm.cc`) is compiled on first use with the C++ compiler against the
+`onednn` extra's library and JAX's FFI headers, and cached per machine. Where it cannot be built
+or loaded, `available()` is False with the reason, and the layer runs the XLA path
+(`model.recurrence=custom_vjp`) after a one-line notice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "onednn_lstm.cc"
+FORWARD, BACKWARD = "rnnlab_onednn_lstm_forward", "rnnlab_onednn_lstm_backward"
+INSTALL_HINT = "pip install -e '.[onednn]' and a C++ compiler (g++)"
+
+
+def library_prefix() -> Path | None:
+    """The install prefix that holds oneDNN's headers and library (the `onednn` extra's wheels), or None."""
+    for prefix in dict.fromkeys([sys.prefix, sys.base_prefix, "/usr/local", "/usr"]):
+        p = Path(prefix)
+        if (p / "include" / "oneapi" / "dnnl" / "dnnl.hpp").exists() and any((p / "lib").glob("libdnnl.so*")):
+            return p
+    return None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "rnnlab" / "native"
+
+
+def build(prefix: Path) -> Path:
+    """Compile the kernel once per source, compiler, oneDNN and jaxlib (the name hashes them); the path of the library."""
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), str(prefix).encode(),
+                                     jax.__version__.encode(), include.encode()])).hexdigest()[:16]
+    out = cache_dir() / f"onednn_lstm-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", f"-I{prefix / 'include'}",
+           str(SOURCE), f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}", "-o", str(tmp)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip().splitlines()[-1:]}")
+    os.replace(tmp, out)  # atomic: a concurrent job sees the old state or the whole library
+    return out
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded kernel library with its FFI targets registered, "") or (None, why not)."""
+    prefix = library_prefix()
+    if prefix is None:
+        return None, f"oneDNN's headers and library are not installed ({INSTALL_HINT})"
+    try:
+        lib = ctypes.CDLL(str(build(prefix)))
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    lib.rnnlab_lstm_workspace_bytes.restype = ctypes.c_int64
+    lib.rnnlab_lstm_workspace_bytes.argtypes = [ctypes.c_int64] * 4
+    jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(lib.RnnlabLstmForward), platform="cpu")
+    jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(lib.RnnlabLstmBackward), platform="cpu")
+    return lib, ""
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") where the oneDNN LSTM kernel is built and loaded, else (False, the reason)."""
+    lib, why = _load()
+    return lib is not None, why
+
+
+# `model.recurrence=auto` runs oneDNN's layer from this width and batch (per device) up: below them
+# XLA's scan was as fast or faster on a 2-core Intel VM (oneDNN's per-step threading costs more than
+# the small GEMMs gain; docs/performance-notes.md).
+MIN_HIDDEN, MIN_BATCH = 256, 32
+
+
+def prefers(batch: int, hidden: int) -> bool:
+    """Whether `model.recurrence=auto` runs oneDNN's layer for this batch (per device) and width."""
+    return hidden >= MIN_HIDDEN and batch >= MIN_BATCH
+
+
+def _workspace_bytes(t: int, b: int, i: int, h: int) -> int:
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"model.recurrence=onednn: {why}")
+    size = lib.rnnlab_lstm_workspace_bytes(t, b, i, h)
+    if size < 0:
+        raise RuntimeError(f"oneDNN has no LSTM for T={t}, B={b}, I={i}, H={h}")
+    return size
+
+
+def _forward(x, w_xh, w_hh, b):
+    t, batch, i = x.shape
+    h = w_hh.shape[0]
+    outputs = (jax.ShapeDtypeStruct((t, batch, h), jnp.float32),
+               jax.ShapeDtypeStruct((_workspace_bytes(t, batch, i, h),), jnp.uint8))
+    return jax.ffi.ffi_call(FORWARD, outputs, vmap_method="sequential")(x, w_xh, w_hh, b)
+
+
+@jax.custom_vjp
+def lstm(x: jax.Array, w_xh: jax.Array, w_hh: jax.Array, b: jax.Array) -> jax.Array:
+    """hs: f32[T, B, H] of an LSTM (rnnlab.cells.lstm's equations) from a zero state, for x: f32[T, B, I],
+    W_xh: f32[I, 4H], W_hh: f32[H, 4H], b: f32[4H], computed and differentiated by oneDNN."""
+    return _forward(x, w_xh, w_hh, b)[0]
+
+
+def _lstm_fwd(x, w_xh, w_hh, b):
+    hs, workspace = _forward(x, w_xh, w_hh, b)
+    return hs, (x, w_xh, w_hh, b, hs, workspace)
+
+
+def _lstm_bwd(saved, d_hs):
+    x, w_xh, w_hh, b = saved[:4]
+    outputs = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (x, w_xh, w_hh, b))
+    return tuple(jax.ffi.ffi_call(BACKWARD, outputs, vmap_method="sequential")(*saved, d_hs))
+
+
+lstm.defvjp(_lstm_fwd, _lstm_bwd)
+
+
+def lstm_layer(x: jax.Array, w_xh: jax.Array, b: jax.Array, params: dict[str, jax.Array]) -> jax.Array:
+    """`rnnlab.cells.LSTM`'s layer: x [T, B, I], its W_xh, b and recurrent parameters -> hs [T, B, H]."""
+    return lstm(x, w_xh, params["W_hh"], b)
+
+
+# A cell's `onednn_kernel` -> its layer (x, W_xh, b, the cell's parameters) -> hs.
+KERNELS = {"lstm": lstm_layer}
