@@ -78,11 +78,13 @@ def load() -> float:
 
 
 def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = ()) -> cfg.Config:
+    """A row's config as `python train.py model=<cell>` composes it (the cell's own model config, so
+    the LSTM's `recurrence=auto`), with the benchmark's task and optimizer."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     overrides = [
-        f"model.cell={cell}", f"hidden_dim={h}", f"batch_size={b}", f"num_layers={layers}", "data=adding",
+        f"model={cell}", f"hidden_dim={h}", f"batch_size={b}", f"num_layers={layers}", "data=adding",
         f"data.seq_len={t}", "optimizer=adam", f"optimizer.lr={LR}", "optimizer.clip_norm=0",
         "optimizer.schedule=constant", "optimizer.warmup_steps=0", "device.num_devices=1", *extra,
     ]

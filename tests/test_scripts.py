@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, train_env
+from conftest import ROOT, require, train_env
 from rnnlab import flops
 
 
@@ -57,6 +57,23 @@ def test_benchmark_gives_every_framework_the_whole_batch():
     np.testing.assert_array_equal(whole.inputs[2:], np.asarray(step.batch.inputs[1]))
     flax_step = benchmark.FlaxStep("gru", 8, 4, 6, 1, whole)
     flax_step(2)  # compiles and runs on the [4, 6, 2] batch
+
+
+def test_benchmark_composes_each_cells_own_model_config():
+    """As `python train.py model=lstm` does: the LSTM's row gets its config's recurrence (auto), not the Elman's."""
+    benchmark = load_script("benchmark")
+    assert benchmark.compose("lstm", 8, 4, 6, 1).model.recurrence == "auto"
+    assert benchmark.compose("lstm", 8, 4, 6, 1).model.init == "orthogonal"
+
+
+@pytest.mark.slow  # torch comes with the full tier
+def test_torch_step_times_the_benchmarks_torch_alone(tmp_path):
+    require("torch")
+    out = tmp_path / "t.json"
+    result = load_script("torch_step").main(["gru", "8", "4", "6", "1", "--min-seconds", "0.01", "--repeats", "2",
+                                             "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["torch_ms"] > 0 and result["tokens_per_sec"] == pytest.approx(4 * 6 / result["torch_ms"] * 1e3)
 
 
 def test_benchmark_compiles_an_xla_variant_with_its_options():
