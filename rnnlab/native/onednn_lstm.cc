@@ -7,11 +7,15 @@
 // The initial state is zero. The forward's workspace (the gates and states the backward
 // reads) is an output of the forward call and an input of the backward call.
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -29,6 +33,64 @@ struct Shape {
   int64_t t, b, i, h;
   bool operator<(const Shape& o) const { return std::tie(t, b, i, h) < std::tie(o.t, o.b, o.i, o.h); }
 };
+
+// Every oneDNN call runs on this one thread. OpenMP makes a thread team per calling thread, and XLA calls
+// from several of its own; once a process holds more OpenMP threads than cores, GNU OpenMP stops spinning at
+// its barriers, which made every time step pay a sleep and a wake-up (and slowed torch's OpenMP in the same
+// process, where the two share libgomp).
+class OneThread {
+ public:
+  OneThread() { std::thread([this] { Loop(); }).detach(); }  // lives as long as the process
+
+  // Runs `job` on the thread and waits for it; calls from several threads take turns.
+  void Run(const std::function<void()>& job) {
+    std::lock_guard<std::mutex> turn(turn_);
+    std::unique_lock<std::mutex> lock(mutex_);
+    job_ = &job;
+    done_ = false;
+    wake_.notify_all();
+    wake_.wait(lock, [this] { return done_; });
+  }
+
+ private:
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [this] { return job_ != nullptr; });
+      const std::function<void()>* job = job_;
+      lock.unlock();
+      (*job)();
+      lock.lock();
+      job_ = nullptr;
+      done_ = true;
+      wake_.notify_all();
+    }
+  }
+
+  std::mutex turn_, mutex_;
+  std::condition_variable wake_;
+  const std::function<void()>* job_ = nullptr;
+  bool done_ = true;
+};
+
+OneThread& onednn_thread() {
+  static OneThread* thread = new OneThread();  // never destroyed: the detached thread may outlive static destructors
+  return *thread;
+}
+
+// `body` on the oneDNN thread; its oneDNN error as an FFI error.
+ffi::Error on_onednn_thread(const char* what, const std::function<void()>& body) {
+  std::string error;
+  onednn_thread().Run([&] {
+    try {
+      body();
+    } catch (const dnnl::error& e) {
+      error = e.what();
+    }
+  });
+  if (!error.empty()) return ffi::Error::Internal(std::string("rnnlab onednn lstm ") + what + ": " + error);
+  return ffi::Error::Success();
+}
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -109,10 +171,10 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buf
                    ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> hs, ffi::ResultBuffer<ffi::U8> workspace) {
   Shape s = shape_of(x, w_hh);
   if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
-  try {
+  return on_onednn_thread("forward", [&] {
     Lstm& lstm = lstm_for(s);
     if (workspace->size_bytes() < lstm.fwd_pd.workspace_desc().get_size())
-      return ffi::Error::InvalidArgument("rnnlab onednn lstm: workspace too small");
+      throw dnnl::error(dnnl_invalid_arguments, "the workspace buffer is smaller than oneDNN's workspace");
     dnnl::stream stream(cpu_engine());
     thread_local std::vector<uint8_t> wx_store, wh_store, scratch;
     memory wx = as_layout(wrap(lstm.wx_md, w_xh.typed_data()), lstm.fwd_pd.weights_layer_desc(), stream, wx_store);
@@ -132,10 +194,7 @@ ffi::Error Forward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buf
         {DNNL_ARG_SCRATCHPAD, wrap(lstm.fwd_pd.scratchpad_desc(), scratch.data())},
     });
     stream.wait();
-  } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("rnnlab onednn lstm forward: ") + e.what());
-  }
-  return ffi::Error::Success();
+  });
 }
 
 ffi::Error Backward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buffer<ffi::F32> w_hh,
@@ -144,7 +203,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Bu
                     ffi::ResultBuffer<ffi::F32> dw_hh, ffi::ResultBuffer<ffi::F32> db) {
   Shape s = shape_of(x, w_hh);
   if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
-  try {
+  return on_onednn_thread("backward", [&] {
     Lstm& lstm = lstm_for(s);
     dnnl::stream stream(cpu_engine());
     thread_local std::vector<uint8_t> wx_store, wh_store, scratch;
@@ -178,10 +237,7 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Bu
         {DNNL_ARG_SCRATCHPAD, wrap(lstm.bwd_pd.scratchpad_desc(), scratch.data())},
     });
     stream.wait();
-  } catch (const dnnl::error& e) {
-    return ffi::Error::Internal(std::string("rnnlab onednn lstm backward: ") + e.what());
-  }
-  return ffi::Error::Success();
+  });
 }
 
 }  // namespace
@@ -211,9 +267,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RnnlabLstmBackward, Backward,
 
 // The forward's workspace size in bytes for this shape (asked when the step is traced), or -1.
 extern "C" int64_t rnnlab_lstm_workspace_bytes(int64_t t, int64_t b, int64_t i, int64_t h) {
-  try {
-    return static_cast<int64_t>(lstm_for(Shape{t, b, i, h}).fwd_pd.workspace_desc().get_size());
-  } catch (const dnnl::error&) {
-    return -1;
-  }
+  int64_t size = -1;
+  on_onednn_thread("workspace", [&] { size = lstm_for(Shape{t, b, i, h}).fwd_pd.workspace_desc().get_size(); });
+  return size;
 }
