@@ -379,10 +379,11 @@ def resolve_recurrence(config: ModelConfig, platform: str) -> str:
     recurrence = config.recurrence
     if recurrence not in ("onednn", "auto"):
         return recurrence
+    if recurrence == "auto" and (platform != "cpu" or not onednn.prefers(onednn.MIN_BATCH, config.hidden_dim)):
+        return "custom_vjp"  # no layer of this width would take the kernel: do not build or load it
     ok, why = onednn.available() if platform == "cpu" else (False, f"oneDNN's kernel runs on CPU, not {platform}")
     if not ok:
-        if recurrence == "onednn" or (platform == "cpu" and config.hidden_dim >= onednn.MIN_HIDDEN):
-            _notice_once(f"model.recurrence={recurrence}: {why}; running model.recurrence=custom_vjp (XLA) instead")
+        _notice_once(f"model.recurrence={recurrence}: {why}; running model.recurrence=custom_vjp (XLA) instead")
         return "custom_vjp"
     return recurrence
 

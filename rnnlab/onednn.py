@@ -62,7 +62,8 @@ def build(prefix: Path) -> Path:
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[-1]
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {last}")
     os.replace(tmp, out)  # atomic: a concurrent job sees the old state or the whole library
     return out
 

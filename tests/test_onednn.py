@@ -146,9 +146,12 @@ def test_onednn_falls_back_to_xla_with_one_notice(monkeypatch, caplog):
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="rnnlab.models"):  # auto: quiet where its width would not take oneDNN
         assert build_model(model_config("hidden_dim=8", recurrence="auto"), 2, "cpu").config.recurrence == "custom_vjp"
+        assert build_model(model_config("hidden_dim=256", recurrence="auto"), 2, "gpu").config.recurrence == "custom_vjp"
         assert build_model(model_config(recurrence="onednn"), 2, "gpu").config.recurrence == "custom_vjp"
+        assert build_model(model_config("hidden_dim=256", recurrence="auto"), 2, "cpu").config.recurrence == "custom_vjp"
     assert [r.getMessage() for r in caplog.records] == [
-        "model.recurrence=onednn: oneDNN's kernel runs on CPU, not gpu; running model.recurrence=custom_vjp (XLA) instead"]
+        "model.recurrence=onednn: oneDNN's kernel runs on CPU, not gpu; running model.recurrence=custom_vjp (XLA) instead",
+        "model.recurrence=auto: no C++ compiler (g++) on PATH; running model.recurrence=custom_vjp (XLA) instead"]
 
 
 def test_the_default_lstm_is_auto_and_bad_choices_name_the_key():
