@@ -12,6 +12,8 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <new>
+#include <pthread.h>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -73,9 +75,18 @@ class OneThread {
   bool done_ = true;
 };
 
+OneThread* the_thread = nullptr;  // never destroyed: the detached thread may outlive static destructors
+std::mutex the_thread_mutex;
+
 OneThread& onednn_thread() {
-  static OneThread* thread = new OneThread();  // never destroyed: the detached thread may outlive static destructors
-  return *thread;
+  static bool registered = [] {  // a forked child has no copy of the thread: it starts its own
+    pthread_atfork(nullptr, nullptr, [] { the_thread = nullptr; new (&the_thread_mutex) std::mutex(); });
+    return true;
+  }();
+  (void)registered;
+  std::lock_guard<std::mutex> lock(the_thread_mutex);
+  if (the_thread == nullptr) the_thread = new OneThread();
+  return *the_thread;
 }
 
 // `body` on the oneDNN thread; its oneDNN error as an FFI error.
@@ -84,8 +95,10 @@ ffi::Error on_onednn_thread(const char* what, const std::function<void()>& body)
   onednn_thread().Run([&] {
     try {
       body();
-    } catch (const dnnl::error& e) {
+    } catch (const std::exception& e) {  // dnnl::error, std::bad_alloc, ...: an error for XLA, not a crash
       error = e.what();
+    } catch (...) {
+      error = "unknown error";
     }
   });
   if (!error.empty()) return ffi::Error::Internal(std::string("rnnlab onednn lstm ") + what + ": " + error);
