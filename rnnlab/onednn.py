@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
@@ -22,8 +21,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "native" / "onednn_lstm.cc"
 FORWARD, BACKWARD = "rnnlab_onednn_lstm_forward", "rnnlab_onednn_lstm_backward"
@@ -92,8 +89,7 @@ def available() -> tuple[bool, str]:
 
 
 # `model.recurrence=auto` runs oneDNN's layer from this width and batch (per device) up: below them
-# XLA's scan was as fast or faster on a 2-core Intel VM (oneDNN's per-step threading costs more than
-# the small GEMMs gain; docs/performance-notes.md).
+# the train step with XLA's scan was about as fast or faster on a 2-core Intel VM (docs/performance-notes.md).
 MIN_HIDDEN, MIN_BATCH = 256, 32
 
 
