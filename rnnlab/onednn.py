@@ -17,6 +17,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -53,21 +55,31 @@ def build(prefix: Path) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # unique per build
+    os.close(fd)
     cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", f"-I{prefix / 'include'}",
            str(SOURCE), f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}", "-o", str(tmp)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         last = (done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[-1]
         raise RuntimeError(f"compiling {SOURCE.name} failed: {last}")
     os.replace(tmp, out)  # atomic: a concurrent job sees the old state or the whole library
     return out
 
 
-@functools.cache
+_load_lock = threading.Lock()
+
+
 def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded kernel library with its FFI targets registered, "") or (None, why not)."""
+    """(the loaded kernel library with its FFI targets registered, "") or (None, why not); built and loaded
+    once per process (threads that ask together wait for the one build)."""
+    with _load_lock:
+        return _load_once()
+
+
+@functools.cache
+def _load_once() -> tuple[ctypes.CDLL | None, str]:
     prefix = library_prefix()
     if prefix is None:
         return None, f"oneDNN's headers and library are not installed ({INSTALL_HINT})"

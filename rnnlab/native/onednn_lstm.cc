@@ -44,6 +44,10 @@ class OneThread {
  public:
   OneThread() { std::thread([this] { Loop(); }).detach(); }  // lives as long as the process
 
+  // Around a fork: no job runs while the caller holds the turn (so the child inherits no lock a job took).
+  void Hold() { turn_.lock(); }
+  void Release() { turn_.unlock(); }
+
   // Runs `job` on the thread and waits for it; calls from several threads take turns.
   void Run(const std::function<void()>& job) {
     std::lock_guard<std::mutex> turn(turn_);
@@ -80,7 +84,19 @@ std::mutex the_thread_mutex;
 
 OneThread& onednn_thread() {
   static bool registered = [] {  // a forked child has no copy of the thread: it starts its own
-    pthread_atfork(nullptr, nullptr, [] { the_thread = nullptr; new (&the_thread_mutex) std::mutex(); });
+    pthread_atfork(
+        [] {  // before the fork: wait out a job in flight
+          the_thread_mutex.lock();
+          if (the_thread != nullptr) the_thread->Hold();
+        },
+        [] {  // the parent goes on
+          if (the_thread != nullptr) the_thread->Release();
+          the_thread_mutex.unlock();
+        },
+        [] {  // the child: the old object's locks stay held by no thread there; start afresh
+          the_thread = nullptr;
+          new (&the_thread_mutex) std::mutex();
+        });
     return true;
   }();
   (void)registered;
@@ -92,15 +108,19 @@ OneThread& onednn_thread() {
 // `body` on the oneDNN thread; its oneDNN error as an FFI error.
 ffi::Error on_onednn_thread(const char* what, const std::function<void()>& body) {
   std::string error;
-  onednn_thread().Run([&] {
-    try {
-      body();
-    } catch (const std::exception& e) {  // dnnl::error, std::bad_alloc, ...: an error for XLA, not a crash
-      error = e.what();
-    } catch (...) {
-      error = "unknown error";
-    }
-  });
+  try {
+    onednn_thread().Run([&] {
+      try {
+        body();
+      } catch (const std::exception& e) {  // dnnl::error, std::bad_alloc, ...: an error for XLA, not a crash
+        error = e.what();
+      } catch (...) {
+        error = "unknown error";
+      }
+    });
+  } catch (const std::exception& e) {  // the thread could not be started
+    error = e.what();
+  }
   if (!error.empty()) return ffi::Error::Internal(std::string("rnnlab onednn lstm ") + what + ": " + error);
   return ffi::Error::Success();
 }
@@ -166,24 +186,29 @@ memory wrap(const memory::desc& md, const void* data) {
   return memory(md, cpu_engine(), const_cast<void*>(data));
 }
 
-Shape shape_of(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w_hh) {
+// The layer's shape from x [T, B, I] and W_hh [H, 4H], once every argument's shape agrees with it.
+ffi::Error shape_of(ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w_xh, ffi::Buffer<ffi::F32>& w_hh,
+                    ffi::Buffer<ffi::F32>& b, Shape* s) {
   auto xd = x.dimensions();
-  return Shape{xd[0], xd[1], xd[2], w_hh.dimensions()[0]};
-}
-
-ffi::Error check(const Shape& s, ffi::Buffer<ffi::F32>& w_xh, ffi::Buffer<ffi::F32>& w_hh, ffi::Buffer<ffi::F32>& b) {
   auto wx = w_xh.dimensions();
   auto wh = w_hh.dimensions();
-  if (wx.size() != 2 || wx[0] != s.i || wx[1] != 4 * s.h || wh.size() != 2 || wh[1] != 4 * s.h ||
-      b.element_count() != static_cast<size_t>(4 * s.h))
+  if (xd.size() != 3 || wx.size() != 2 || wh.size() != 2)
+    return ffi::Error::InvalidArgument("rnnlab onednn lstm: expected x [T, B, I], W_xh [I, 4H], W_hh [H, 4H]");
+  *s = Shape{xd[0], xd[1], xd[2], wh[0]};
+  if (wx[0] != s->i || wx[1] != 4 * s->h || wh[1] != 4 * s->h || b.element_count() != static_cast<size_t>(4 * s->h))
     return ffi::Error::InvalidArgument("rnnlab onednn lstm: expected W_xh [I, 4H], W_hh [H, 4H], b [4H]");
   return ffi::Error::Success();
 }
 
+bool is_sequence(ffi::Buffer<ffi::F32>& a, const Shape& s) {  // [T, B, H]
+  auto d = a.dimensions();
+  return d.size() == 3 && d[0] == s.t && d[1] == s.b && d[2] == s.h;
+}
+
 ffi::Error Forward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Buffer<ffi::F32> w_hh,
                    ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> hs, ffi::ResultBuffer<ffi::U8> workspace) {
-  Shape s = shape_of(x, w_hh);
-  if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
+  Shape s;
+  if (auto e = shape_of(x, w_xh, w_hh, b, &s); e.failure()) return e;
   return on_onednn_thread("forward", [&] {
     Lstm& lstm = lstm_for(s);
     if (workspace->size_bytes() < lstm.fwd_pd.workspace_desc().get_size())
@@ -214,10 +239,14 @@ ffi::Error Backward(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w_xh, ffi::Bu
                     ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> hs, ffi::Buffer<ffi::U8> workspace,
                     ffi::Buffer<ffi::F32> d_hs, ffi::ResultBuffer<ffi::F32> dx, ffi::ResultBuffer<ffi::F32> dw_xh,
                     ffi::ResultBuffer<ffi::F32> dw_hh, ffi::ResultBuffer<ffi::F32> db) {
-  Shape s = shape_of(x, w_hh);
-  if (auto e = check(s, w_xh, w_hh, b); e.failure()) return e;
+  Shape s;
+  if (auto e = shape_of(x, w_xh, w_hh, b, &s); e.failure()) return e;
+  if (!is_sequence(hs, s) || !is_sequence(d_hs, s))
+    return ffi::Error::InvalidArgument("rnnlab onednn lstm backward: expected hs and its gradient [T, B, H]");
   return on_onednn_thread("backward", [&] {
     Lstm& lstm = lstm_for(s);
+    if (workspace.size_bytes() < lstm.bwd_pd.workspace_desc().get_size())
+      throw dnnl::error(dnnl_invalid_arguments, "the workspace buffer is smaller than oneDNN's workspace");
     dnnl::stream stream(cpu_engine());
     thread_local std::vector<uint8_t> wx_store, wh_store, scratch;
     memory wx = as_layout(wrap(lstm.wx_md, w_xh.typed_data()), lstm.bwd_pd.weights_layer_desc(), stream, wx_store);
