@@ -1,7 +1,7 @@
 """oneDNN's fused LSTM layer (the kernel behind torch's CPU `nn.LSTM`) as an XLA FFI call: `model.recurrence=onednn`.
 
-XLA's CPU code generation runs an LSTM step as separate matmul and elementwise passes; oneDNN's
-RNN primitive fuses the gates into its per-step GEMMs and packs `W_hh` once per call. The kernel
+XLA's CPU code generation runs an LSTM step as separate matmul and elementwise passes inside a
+scan; oneDNN's RNN primitive runs the whole layer, GEMMs and gate math, in one call. The kernel
 (`rnnlab/native/onednn_lstm.cc`) is compiled on first use with the C++ compiler against the
 `onednn` extra's library and JAX's FFI headers, and cached per machine. Where it cannot be built
 or loaded, `available()` is False with the reason, and the layer runs the XLA path

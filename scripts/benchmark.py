@@ -77,6 +77,14 @@ def load() -> float:
     return os.getloadavg()[0]
 
 
+def setup_torch(torch, threads: int) -> None:
+    """torch on `threads` threads, flushing denormals to zero as XLA's CPU code does: gradients that
+    decay through long sequences into the denormal range made torch's matmuls 20x slower (H=256,
+    T=256). Compare against torch at its best."""
+    torch.set_num_threads(threads)
+    torch.set_flush_denormal(True)
+
+
 def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = ()) -> cfg.Config:
     """A row's config as `python train.py model=<cell>` composes it (the cell's own model config, so
     the LSTM's `recurrence=auto`), with the benchmark's task and optimizer."""
@@ -533,11 +541,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         import torch
 
-        torch.set_num_threads(args.torch_threads)
-        # XLA's CPU code flushes denormals to zero; torch does not by default, and gradients that
-        # decay through long sequences into the denormal range made its matmuls 20x slower
-        # (H=256, T=256). Compare against torch at its best: flush them there too.
-        torch.set_flush_denormal(True)
+        setup_torch(torch, args.torch_threads)
         torch_ok, torch_note = True, f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     except ImportError:
         torch_ok, torch_note = False, 'torch not installed: skipping it (pip install -e ".[bench]")'

@@ -39,8 +39,7 @@ def main(argv=None) -> dict:
     sampler = steps.pmap_sampler(task, tasks.stream_key(0, 0), b, jax.devices()[:1])
     # The batch benchmark.py gives torch (its RnnlabStep.global_batch on one device).
     batch = jax.tree_util.tree_map(lambda x: np.asarray(x)[0], sampler(np.zeros(1, np.int32)))
-    torch.set_num_threads(cpu.host_cores())
-    torch.set_flush_denormal(True)  # as benchmark.py: XLA flushes denormals too
+    benchmark.setup_torch(torch, cpu.host_cores())
     step = benchmark.TorchStep(args.cell, h, b, t, layers, batch)
     step(1)
     n = max(1, int(args.min_seconds / benchmark.timed(step, 1)))
