@@ -4,11 +4,14 @@ one `ConfigError` whose line names the key, the value and what is allowed."""
 from __future__ import annotations
 
 from rnnlab import cells, tasks
+from rnnlab.blocks import MLPS
 from rnnlab.config import (
     BLOCKS, DTYPES, MAX_DEVICES, MAX_STEPS_PER_DISPATCH, NONFINITE_POLICIES, OPTIMIZERS, PLATFORMS, RECURRENCES,
     SCHEDULES, SEED_LIMIT, STACK_INITS, STRATEGIES, Config, ConfigError, OptimizerConfig, flatten,
 )
 from rnnlab.config import check_choice as _choice
+
+MAX_MLP_EXPAND = 64  # wider than any published block (GPT-2's and Zoology's are 4)
 
 
 def _positive(key: str, value: float) -> None:
@@ -78,6 +81,10 @@ def _validate_model(c: Config) -> None:
     if m.unroll is not None:
         _positive("model.unroll", m.unroll)
     _choice("model.block", m.block, BLOCKS)
+    _choice("model.mlp", m.mlp, MLPS)
+    if not 0 < m.mlp_expand <= MAX_MLP_EXPAND:
+        raise ConfigError(f"key 'model.mlp_expand': got {m.mlp_expand}, must be in (0, {MAX_MLP_EXPAND}] "
+                          f"(the MLP's hidden width in multiples of hidden_dim)")
     cell = m.make_cell()
     if m.time_scan not in cell.time_scans:
         raise ConfigError(f"key 'model.time_scan': got {m.time_scan!r}, allowed for cell {m.cell!r}: "

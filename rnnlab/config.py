@@ -54,6 +54,12 @@ class ModelConfig:
     dropout: float
     block: str  # plain: the layers as they are | residual: pre-norm residual blocks with a gated MLP
     time_scan: str  # sequential | associative (cells linear in their state)
+    # The residual block's channel mixer after the mixer (rnnlab.blocks): none | gelu | geglu | swiglu, its
+    # hidden width in multiples of hidden_dim, and biases on its dense layers. Each model config names its
+    # paper's; a config that leaves them out gets today's gated MLP.
+    mlp: str = "geglu"
+    mlp_expand: float = 2.0
+    mlp_bias: bool = False
     # The chosen cell's own keys (its dataclass fields beyond `Cell`'s, e.g. lru's r_min), as (name, value)
     # pairs: they sit beside the others under `model:` and are filled from the cell's defaults.
     options: tuple[tuple[str, Any], ...] = ()
@@ -270,7 +276,9 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"key '{where}': expected a group of keys, got {values!r}")
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+    fields = [f for f in dataclasses.fields(cls) if f.name != "options"]
+    names = [f.name for f in fields]
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
     options = _option_fields(cls, values)
     unknown = sorted(set(values) - set(names) - set(options))
     if unknown:
@@ -281,6 +289,9 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
                                   for name, (tp, default) in options.items())
     for name in names:
         key = prefix + name
+        if name not in values and name in defaults:
+            kwargs[name] = defaults[name]
+            continue
         if name not in values:
             raise ConfigError(f"missing key '{key}'")
         tp = hints[name]

@@ -15,7 +15,8 @@ cost, forward:
                        + the cell's own      `Cell.mixing_flops` per sequence, over T (the LRU's
                                              Re(h C): 4 H^2 T; matrix-state cells' and attention's
                                              maps, scores and chunk products)
-                       + 12 * H^2            `model.block=residual`: the gated MLP (3 [H, 2H] matmuls)
+                       + 2 * M * H * W       `model.block=residual`: its MLP's M matmuls of [H, W]
+                                             (`rnnlab.blocks`: M = 2 gelu, 3 gated, 0 none)
     layers 1 .. L-1    2 * H * G*H           x W_xh (before the scan or inside it: same count)
     readout            2 * H * O             applied at every time step
 
@@ -78,7 +79,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rnnlab import cpu, files, models
+from rnnlab import blocks, cpu, files, models
 from rnnlab.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,7 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     sequences = tokens // seq_len
     mixing = layers * cell.mixing_flops(seq_len, model.time_scan) * sequences
     if model.block == "residual":
-        per_layer += 3 * 2 * h * models.MLP_EXPANSION * h  # gate, up, down
+        per_layer += blocks.mlp_matmuls(model.mlp) * 2 * h * blocks.mlp_width(model.mlp_expand, h)
     readout = 2 * h * output_dim
     if models.folds_first_layer(model, input_dim, tokens // devices if token_inputs else None):
         # x (P W_xh): its input is data, no dX; for token ids a gather, no matmul at all.

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab import onednn
+from rnnlab.blocks import ResidualBlock
 from rnnlab.cells import Cell, SequenceCell, get_cell
 from rnnlab.config import ModelConfig
 from rnnlab.recurrence import linear, recurrence
@@ -180,7 +181,7 @@ class RecurrentLayer(nn.Module):
         width = cell.input_width
         fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
         w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
-        b = self.param("b", cell.bias_init(), (width,))
+        b = self.param("b", cell.bias_init(), (width,)) if cell.input_bias else jnp.zeros((width,), jnp.float32)
         params = CellParams(cell, name="cell")()
         ids = is_token_ids(x)
         # oneDNN's layer takes the float input x and W_xh itself: no folded gather of token ids
@@ -226,46 +227,6 @@ class RecurrentLayer(nn.Module):
         return hs
 
 
-MLP_EXPANSION = 2  # the gated MLP's hidden width, in multiples of H
-
-
-class GatedMLP(nn.Module):
-    """x -> (gelu(x W_gate) * (x W_up)) W_down, width `MLP_EXPANSION` * H, no biases (Griffin's MLP)."""
-
-    dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype)
-        gate, up = (dense(MLP_EXPANSION * x.shape[-1], name=name)(x) for name in ("gate", "up"))
-        return dense(x.shape[-1], name="down")(nn.gelu(gate) * up)
-
-
-class ResidualBlock(nn.Module):
-    """A pre-norm residual block (`model.block=residual`), as in the LRU and Griffin papers:
-    x + layer(norm(x)), then x + GatedMLP(norm(x)), with RMS norms. Between linear recurrences,
-    the MLP is what makes a stack of them more than one linear map. Takes `RecurrentLayer`'s fields
-    and call signature; given the input projection, it applies it first (a residual needs x in H;
-    to token ids, as the gather of their kernel rows)."""
-
-    hidden_dim: int
-    cell: str
-    layer_fields: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
-
-    @nn.compact
-    def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
-        fields = dict(self.layer_fields)
-        dtype = fields.get("dtype", jnp.float32)
-        if projection is not None:
-            kernel, bias = (a.astype(dtype) for a in projection)
-            x = project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias
-        x = x.astype(dtype)
-        y, _ = RecurrentLayer(self.hidden_dim, self.cell, **fields, name="recurrence")(
-            nn.RMSNorm(dtype=dtype, name="norm_0")(x))
-        x = x + y
-        return x + GatedMLP(dtype, name="mlp")(nn.RMSNorm(dtype=dtype, name="norm_1")(x)), None
-
-
 class LayerStack(nn.Module):
     """`num_layers` `RecurrentLayer`s: the first, then the rest as one `nn.scan` or a Python loop.
 
@@ -286,7 +247,8 @@ class LayerStack(nn.Module):
     scan_layers: bool = True
     stack_init: str = "scan"  # scan | vmap
     layer_options: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
-    block: str = "plain"  # plain: RecurrentLayer | residual: ResidualBlock around it
+    block: str = "plain"  # plain: RecurrentLayer | residual: blocks.ResidualBlock around it
+    block_fields: tuple[tuple[str, Any], ...] = ()  # residual only: its MLP (mlp, mlp_expand, mlp_bias)
 
     @nn.compact
     def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
@@ -297,8 +259,8 @@ class LayerStack(nn.Module):
         layer_class = RecurrentLayer
         if self.block == "residual":
             layer_class = ResidualBlock
-            kwargs = dict(hidden_dim=kwargs.pop("hidden_dim"), cell=kwargs.pop("cell"),
-                          layer_fields=tuple(kwargs.items()))
+            kwargs = dict(hidden_dim=kwargs.pop("hidden_dim"), cell=kwargs.pop("cell"), layer_class=RecurrentLayer,
+                          layer_fields=tuple(kwargs.items()), **dict(self.block_fields))
         x, _ = layer_class(**kwargs, name="layer_0")(x, projection=projection)
         rest = self.num_layers - 1
         if rest == 0:
@@ -353,8 +315,9 @@ class RecurrentModel(nn.Module):
         input_dim = self.input_dim or x.shape[-1]
         x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I] or [T, B]: the stack runs time-major throughout
         projection = InputProjection(c.hidden_dim, name="input_proj")(input_dim)
+        block_fields = (("mlp", c.mlp), ("mlp_expand", c.mlp_expand), ("mlp_bias", c.mlp_bias))
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
-                       layer_options, c.block, name="stack")(x, projection)
+                       layer_options, c.block, block_fields, name="stack")(x, projection)
         if c.block == "residual":
             x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]

@@ -63,7 +63,7 @@ def numpy_attention(x, p, num_heads):
 def numpy_mamba(x, p, state_size, conv_size, dt_rank, **_):
     """Mamba's selective SSM one step at a time, float64 (Gu & Dao 2023, Algorithm 2). x: [B, T, I] -> [B, T, H]."""
     c = p["cell"]
-    u = x @ p["W_xh"] + p["b"]
+    u = x @ p["W_xh"] + p.get("b", 0)  # (Mamba's in_proj has no bias)
     inner = u.shape[-1] // 2
     xs, z = u[..., :inner], u[..., inner:]
     A = -np.exp(c["A_log"])  # [D, N]

@@ -74,6 +74,9 @@ OPTIONS = [
     ["data=mqar", "data.seq_len=16", "data.vocab_size=64"],  # token ids, I + 1 = 65 >= B*T = 64: not folded
     ["model.block=residual", "num_layers=3"],
     ["model.block=residual", "model.scan_layers=false", "model.recurrence=autodiff"],
+    ["model.block=residual", "model.mlp=gelu", "model.mlp_expand=4", "model.mlp_bias=true"],  # GPT-2's MLP
+    ["model.block=residual", "model.mlp=swiglu", "model.mlp_expand=2.667"],  # an expansion that rounds
+    ["model.block=residual", "model.mlp=none"],
     ["model.time_scan=associative"],  # linear cells only
     ["model.time_scan=associative", "model.recurrence=autodiff", "model.block=residual"],
     ["model.time_scan=chunked"],  # matrix-state cells only

@@ -18,12 +18,14 @@ so it is `rnnlab.recurrence.linear_recurrence` over a, b: [T, B, D, N] (`model.t
 or associative; `model.recurrence=custom_vjp`: its hand-written backward, autodiff: `jax.grad` of the
 scan), run in float32 whatever `model.dtype`, as the reference implementation runs its scan.
 
-Initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every channel
-(S4D-real: A_log = log n); D_skip = 1; Delta's bias such that softplus(dt_bias) = dt, with dt
-log-uniform in [1e-3, 1e-1]; W_dt uniform in +-R^-1/2; the conv, W_x and W_out as PyTorch's
-Conv1d and Linear default, uniform in +-fan_in^-1/2. The block's in_proj is the layer's W_xh (with
-the layer's bias b, which the reference leaves out). Around it, `model.block=residual` supplies
-the pre-norm and residual (and a gated MLP, which Mamba's own stack does without).
+Parameters and initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every
+channel (S4D-real: A_log = log n); D_skip = 1; Delta's bias such that softplus(dt_bias) = dt, with dt
+log-uniform in [1e-3, 1e-1]; W_dt uniform in +-R^-1/2; the conv (with its bias), W_x, W_out and the
+in_proj as PyTorch's Conv1d and Linear default, uniform in +-fan_in^-1/2 (`model.init=default`). The
+block's in_proj is the layer's W_xh, without a bias (`input_bias`), and W_out has none, as in the
+reference. Mamba's model (conf/model/mamba.yaml) stacks residual blocks x + Mamba(RMSNorm(x)) with
+no MLP (`model.block=residual`, `model.mlp=none`). Left out: the reference language model rescales
+out_proj by 1/sqrt(num_layers) at init (`_init_weights`), which a cell, not knowing the depth, does not.
 """
 
 from __future__ import annotations
@@ -79,6 +81,13 @@ class Mamba(SequenceCell):
 
     name = "mamba"
     time_scans = ("sequential", "associative")
+    input_bias = False  # the reference's in_proj has no bias
+
+    def input_init(self):
+        """in_proj as the reference's nn.Linear (`model.init=default`), else the named scheme's."""
+        if self.init != "default":
+            return super().input_init()
+        return lambda key, shape, dtype=jnp.float32: _fan_in_uniform(shape[0])(key, shape, dtype)
 
     @property
     def inner(self) -> int:

@@ -116,6 +116,7 @@ class Cell:
     torch_class: ClassVar[str | None] = None  # torch.nn.<torch_class> computes the same layer, if any
     time_scans: ClassVar[tuple[str, ...]] = ("sequential",)  # `model.time_scan` choices (associative: linear cells; parallel: attention)
     uses_layer_input: ClassVar[bool] = False  # reads the layer's input x itself (so layer 0 gets x P + c, unfolded)
+    input_bias: ClassVar[bool] = True  # the layer adds a bias b to its input term (Mamba's in_proj has none)
     onednn_kernel: ClassVar[str | None] = None  # `model.recurrence=onednn`: the `rnnlab.onednn.KERNELS` layer it runs, if any
 
     @property
