@@ -165,8 +165,9 @@ def from_omegaconf(cfg: Any) -> Config:
 
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve the config: {e}".splitlines()[0]) from None
+    except OmegaConfBaseException as e:  # full_key names the key whose value failed (`batch_size=${oops}`)
+        where = f"key '{e.full_key}': " if getattr(e, "full_key", None) else ""
+        raise ConfigError(f"{where}cannot resolve the config: {e}".splitlines()[0]) from None
     return from_dict(container)
 
 
