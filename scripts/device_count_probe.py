@@ -7,7 +7,6 @@ Each argument is one shape, as train.py overrides (added to `device=cpu`). It se
 `rnnlab.cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP` (docs/performance-notes.md records the runs behind it).
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -17,9 +16,10 @@ sys.path.insert(0, str(ROOT))
 from rnnlab import cpu  # noqa: E402
 
 cpu.set_cpu_xla_flags()
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(cpu.max_cpu_devices()))
 
 import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", cpu.max_cpu_devices())  # before the backend starts
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from rnnlab import flops, parallel, tasks  # noqa: E402

@@ -174,6 +174,7 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
 @given(override_lists())
 # Found by this fuzzer, then fixed (each was exit 1 with a traceback):
 @example(["checkpoint.allow_changes.y=0"])  # OmegaConf's int('y') for a key inside a list
+@example(["model.cell=[]"])  # a TypeError: the list was looked up in the cell registry (a dict) before its type was checked
 @example(["batch_size=${oops}"])  # exit 2, but its line named no key (an interpolation that does not resolve)
 def test_fuzz_config_fast(overrides):
     check(overrides)
