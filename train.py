@@ -13,10 +13,13 @@ dir could not be written mid-run (disk full, read-only: the last checkpoint is i
 """
 
 import argparse
+import datetime
 import functools
+import hashlib
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
 import threading
@@ -46,6 +49,7 @@ EXIT_CANNOT_WRITE = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_ABORTED = 130
 SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"  # run_cli -> the sweep's jobs (launcher workers inherit it): the swept keys
+SWEEP_DIR_ENV = "RNNLAB_SWEEP_DIR"  # run_cli -> the launcher and its workers: the sweep dir (conf/config.yaml)
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 
 
@@ -64,16 +68,74 @@ def config_groups_help(width: int = 100) -> str:
 
 def swept_keys(args: list[str]) -> list[str]:
     """The keys the command line's sweep overrides vary (`model=rnn,gru`, `x=range(1,4)`, `x=choice(..)`)."""
+    return [o.key_or_group for o in parsed_overrides(args) if o.is_sweep_override()]
+
+
+def parsed_overrides(args: list[str]) -> list:
+    """The command line's overrides as Hydra parses them, or [] for a malformed one (Hydra reports it)."""
     from hydra._internal.utils import get_args_parser  # hydra.main's own: it knows `-cd DIR`, `--cfg job`
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parser = get_args_parser()
     parser.exit_on_error = False
     try:
-        overrides = OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
-    except (HydraException, argparse.ArgumentError):  # Hydra reports a malformed command line itself
+        return OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
+    except (HydraException, argparse.ArgumentError):
         return []
-    return [o.key_or_group for o in overrides if o.is_sweep_override()]
+
+
+MAX_SWEEP_NAME = 80  # characters of a sweep dir's name made from overrides; longer ones end in a hash
+
+
+def sweep_home(args: list[str], now: datetime.datetime) -> str:
+    """The sweep dir of a command that does not name one (`hydra.sweep.dir=...`): `multirun/<preset>` for
+    `experiment=<preset>`, and below it a dir named after the command's other overrides if it has any
+    (launcher keys left out), so that rerunning the same command resumes its jobs; else
+    `multirun/<date>/<time>`. An Optuna study (`hparams_search`) keeps its time: its trials are drawn anew."""
+    overrides = parsed_overrides(args)
+    preset = stable_preset(overrides)
+    if preset is None:
+        return f"multirun/{now:%Y-%m-%d}/{now:%H-%M-%S}"
+    rest = sorted(o.input_line for o in overrides
+                  if o.key_or_group != "experiment" and not o.key_or_group.startswith(("hydra/", "hydra.")))
+    if not rest:
+        return f"multirun/{preset}"
+    name = re.sub(r"[^A-Za-z0-9._=,+~-]", "_", ",".join(rest))
+    if len(name) > MAX_SWEEP_NAME:
+        name = f"{name[:MAX_SWEEP_NAME - 9]}-{hashlib.sha1(','.join(rest).encode()).hexdigest()[:8]}"
+    return f"multirun/{preset}/{name}"
+
+
+def stable_preset(overrides: list) -> str | None:
+    """The `experiment=<preset>` that gives a sweep its stable dir (`sweep_home`), or None."""
+    if any(o.key_or_group == "hparams_search" for o in overrides):
+        return None
+    return next((o.value() for o in overrides if o.key_or_group == "experiment" and isinstance(o.value(), str)), None)
+
+
+_sweep_dir_used: list[str] = []  # the sweep dir this process resolved (the launcher resolves it first)
+
+
+def sweep_dir() -> str:
+    """conf/config.yaml's hydra.sweep.dir: what run_cli put in SWEEP_DIR_ENV (`sweep_home`), which every
+    worker of a launcher inherits, so that all resolve the same dir."""
+    home = os.environ.get(SWEEP_DIR_ENV) or sweep_home(sys.argv[1:], datetime.datetime.now())
+    if not _sweep_dir_used:
+        _sweep_dir_used.append(home)
+    return home
+
+
+def resume_command(args: list[str]) -> str:
+    """The command that resumes this process's interrupted sweep: the same one, naming the sweep dir
+    if it was timestamped (a rerun would get a new time)."""
+    import shlex
+
+    command = ["python", "train.py", *args]
+    named = any(a.startswith("hydra.sweep.dir=") for a in args)
+    home = _sweep_dir_used[0] if _sweep_dir_used else None
+    if not named and (home is None or stable_preset(parsed_overrides(args)) is None):
+        command.append(f"hydra.sweep.dir={home or '<its sweep dir>'}")
+    return shlex.join(command)
 
 
 def varied_overrides(hydra_node: DictConfig) -> list[str]:
@@ -100,6 +162,7 @@ def job_dirname(*, _root_: DictConfig) -> str:
 
 OmegaConf.register_new_resolver("rnnlab_config_groups", config_groups_help, replace=True)
 OmegaConf.register_new_resolver("rnnlab_job_dirname", job_dirname, replace=True)
+OmegaConf.register_new_resolver("rnnlab_sweep_dir", sweep_dir, replace=True)
 
 
 def fail(message: str, code: int) -> None:
@@ -230,15 +293,80 @@ def hydra_error_line(e: Exception) -> str:
     return "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type=")))
 
 
+COMPOSITION_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def composition_error_line(e: Exception, args: list[str]) -> str | None:
+    """An error Hydra does not wrap, raised inside Hydra or OmegaConf while they apply the command line
+    (OmegaConf's `int('y')` for `checkpoint.allow_changes.y=0`), as one line naming the override it
+    most likely came from; None for an error raised elsewhere (a bug: its traceback stays)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or not re.search(r"[/\\](hydra|omegaconf)[/\\]", frames[-1].filename):
+        return None
+    keys = [o.key_or_group for o in parsed_overrides(args)]
+    quoted = re.findall(r"'([^']*)'", str(e))
+    named = [k for k in keys if any(q in k.split(".") for q in quoted)] or keys
+    where = f"key '{named[0]}'" if len(named) == 1 else f"one of the keys {', '.join(named)}"
+    return (f"{where}: cannot be applied to the config ({type(e).__name__}: {e})".splitlines()[0]
+            + " (a list's items are set as a whole, key=[a,b]; see `python train.py --cfg job` for the keys)")
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """SIGTERM in a sweep's launcher: stop as Ctrl-C does; elsewhere what it did before (end the process)."""
+    if _sweep_dir_used:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def config_exit(overrides: list[str]) -> tuple[int, str]:
+    """(exit code, stderr line) that `python train.py OVERRIDES` gets from its config, in process and
+    before JAX starts: (0, "") for a config that passes, (2, the line) for bad input. The fuzzer
+    (tests/test_fuzz_config.py) calls it to check thousands of command lines in seconds."""
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
+            from_omegaconf(compose(config_name="config", overrides=list(overrides)))
+    except HydraException as e:
+        return EXIT_BAD_INPUT, hydra_error_line(e)
+    except ConfigError as e:
+        return EXIT_BAD_INPUT, str(e)
+    except COMPOSITION_ERRORS as e:
+        line = composition_error_line(e, list(overrides))
+        if line is None:
+            raise
+        return EXIT_BAD_INPUT, line
+    return 0, ""
+
+
 def run_cli() -> None:
     os.environ[SWEPT_KEYS_ENV] = ",".join(swept_keys(sys.argv[1:]))
+    os.environ[SWEEP_DIR_ENV] = sweep_home(sys.argv[1:], datetime.datetime.now())
+    # A SIGTERM to a sweep's launcher process (hydra/launcher=parallel: its jobs run in workers) stops it as
+    # Ctrl-C does, so that it says how to resume; a job in this process replaces it with its own while it trains.
+    signal.signal(signal.SIGTERM, interrupt)
     try:
-        main()
+        try:
+            main()
+        except (KeyboardInterrupt, SystemExit) as e:
+            interrupted = isinstance(e, KeyboardInterrupt) or e.code in (EXIT_PREEMPTED, EXIT_ABORTED)
+            if interrupted and _sweep_dir_used:  # a sweep (its dir was resolved), stopped by a signal
+                code = EXIT_ABORTED if isinstance(e, KeyboardInterrupt) else e.code
+                fail(f"sweep interrupted; resume it with: {resume_command(sys.argv[1:])}", code)
+            raise
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)
         fail(f"sweep {e}; the other jobs ran (`python scripts/summarize.py <sweep dir>` shows each status)",
              e.exit_code)
     except HydraException as e:  # unknown key or config option, malformed override
         fail(hydra_error_line(e), EXIT_BAD_INPUT)
+    except COMPOSITION_ERRORS as e:  # an override Hydra's own checks let through
+        line = composition_error_line(e, sys.argv[1:])
+        if line is None:
+            raise
+        fail(line, EXIT_BAD_INPUT)
     except OSError as e:  # Hydra could not create or write the run dir
         fail(f"cannot write the run dir: {e}", EXIT_BAD_INPUT)
     except KeyboardInterrupt:

@@ -171,8 +171,9 @@ def from_omegaconf(cfg: Any) -> Config:
 
     try:
         container = OmegaConf.to_container(cfg, resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"cannot resolve the config: {e}".splitlines()[0]) from None
+    except OmegaConfBaseException as e:  # full_key names the key whose value failed (`batch_size=${oops}`)
+        where = f"key '{e.full_key}': " if getattr(e, "full_key", None) else ""
+        raise ConfigError(f"{where}cannot resolve the config: {e}".splitlines()[0]) from None
     return from_dict(container)
 
 
@@ -308,7 +309,7 @@ def _option_fields(cls: type, values: Mapping[str, Any]) -> dict[str, tuple[Any,
     if cls is DataConfig and "task" in values:  # an unknown task is named before the keys it would take
         check_choice("data.task", values["task"], tasks.task_names())
         return tasks.option_fields(tasks.get_task(values["task"]))
-    if cls is not ModelConfig or values.get("cell") not in cells.CELLS:
+    if cls is not ModelConfig or not isinstance(values.get("cell"), str) or values["cell"] not in cells.CELLS:
         return {}
     cell = cells.get_cell(values["cell"])
     base = {f.name for f in dataclasses.fields(cells.Cell)}

@@ -4,7 +4,8 @@ and the simulated device count, measured once per machine and model and then cac
 On CPU, JAX can split the host into N simulated devices; XLA runs the small matmuls
 inside a time scan on about one core, so one device per core can train faster, while
 large matmuls already use every core. Which wins depends on the model, so it is
-measured (`choose_device_count`, docs/design.md).
+measured (`choose_device_count`, docs/design.md), except for a step too small to gain from a
+second device (`device_count_needs_measuring`), which runs on one without timing any.
 """
 
 from __future__ import annotations
@@ -39,14 +40,31 @@ def configure_cpu_backend(num_devices: int | None, batch_size: int, distributed:
         jax.config.update("jax_num_cpu_devices", max(wanted, jax.config.jax_num_cpu_devices))
 
 
+# A step whose matmuls do fewer FLOPs than this per time step (over the global batch) runs on one
+# device, untimed: a second device can only split the work inside each of the scan's sequential
+# steps, and below this it saved less than the 5% margin (docs/performance-notes.md, 2-core AMD EPYC).
+MEASURE_ABOVE_FLOPS_PER_TIME_STEP = 2e5
+LONG_DISPATCH_SECONDS = 1.0  # a warm dispatch this long is timed once: its noise is small beside it
+
+
+def device_count_needs_measuring(flops_per_step: float, time_steps: int) -> bool:
+    """Whether a step of `flops_per_step` matmul FLOPs over `time_steps` time steps may gain from
+    more devices, and so is worth timing (`choose_device_count`); else it runs on one device."""
+    return flops_per_step / max(time_steps, 1) >= MEASURE_ABOVE_FLOPS_PER_TIME_STEP
+
+
 def seconds_per_step(dispatch: Callable, state: Any, steps_per_dispatch: int, max_in_flight: int) -> float:
     """Median seconds per train step of `dispatch(state, k) -> (state, metrics)`: compiled and
     warmed up, then windows of whole dispatches (at most `max_in_flight` steps, about 50 ms
-    each), median of up to 5 windows within about 2 s."""
+    each), median of up to 5 windows within about 2 s. A dispatch that takes LONG_DISPATCH_SECONDS
+    once warm is timed once, since more runs of it would cost minutes on a large shape."""
     k = steps_per_dispatch
-    for _ in range(3):  # compile, then warm up (the first runs after a compile are slower)
+    for warm_up in range(3):  # compile, then warm up (the first runs after a compile are slower)
+        start = time.perf_counter()
         state, metrics = dispatch(state, k)
         jax.block_until_ready(metrics)
+        if warm_up and time.perf_counter() - start >= LONG_DISPATCH_SECONDS:
+            return (time.perf_counter() - start) / k
     start = time.perf_counter()
     state, metrics = dispatch(state, k)
     jax.block_until_ready(metrics)

@@ -165,12 +165,20 @@ def _log_pinning(devices: list) -> None:
 
 def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
     """`device.num_devices=null` on CPU: 1 device or all of them, whichever trains faster
-    (`cpu.choose_device_count`). A resumed run keeps the count its run dir recorded, so that
+    (`cpu.choose_device_count`), and 1 without timing for a step too small to gain from more
+    (`cpu.device_count_needs_measuring`). A resumed run keeps the count its run dir recorded, so that
     it continues with the same numerics."""
     config, devices, k = setup.config, setup.devices, setup.steps_per_dispatch
     if recorded is not None:
         count = recorded if recorded <= len(devices) and config.batch_size % recorded == 0 else 1
         return devices[:count], f" (device.num_devices=null: {count}, as this run dir was trained)"
+    task = setup.task
+    step_flops = flops.train_step_flops(config.model, task.input_dim, task.output_dim,
+                                        config.batch_size * task.total_len, task.total_len, task.token_inputs)
+    if not cpu.device_count_needs_measuring(step_flops, task.total_len):
+        return devices[:1], (f" (device.num_devices=null: 1, untimed: {step_flops / task.total_len / 1e6:.2g} "
+                             f"MFLOP a time step, below the {cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP / 1e6:g} "
+                             f"where more devices can gain)")
 
     def seconds_per_step(n: int) -> float:
         dp = parallel.DataParallel(devices[:n], config.device.strategy)

@@ -225,3 +225,56 @@ def test_summarize_marks_failed_and_missing_jobs_without_matplotlib(tmp_path, mo
     assert "| 1 | 16 | **FAILED**: key 'x': bad |" in out and "| 2 | 32 | **MISSING** |" in out
     assert "matplotlib is not installed" in err
     assert (tmp_path / "summary.csv").read_text().count("\n") == 4
+
+
+def test_a_preset_sweep_has_a_stable_dir_and_a_timestamped_one_is_named_to_resume():
+    import datetime
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    now = datetime.datetime(2026, 11, 26, 12, 0, 0)
+    assert train.sweep_home(["-m", "experiment=zoo_parity", "hydra/launcher=parallel"], now) == "multirun/zoo_parity"
+    assert train.sweep_home(["experiment=zoo_parity", "zoo.seeds=3"], now) == "multirun/zoo_parity/zoo.seeds=3"
+    assert train.sweep_home(["-m", "hidden_dim=8,16"], now) == "multirun/2026-11-26/12-00-00"
+    assert train.sweep_home(["-m", "experiment=adding_grid", "hparams_search=adding_optuna"], now).startswith("multirun/2026")
+    long = train.sweep_home(["experiment=zoo_mqar", *[f"+k{i}=v" for i in range(40)]], now)
+    assert len(long) <= len("multirun/zoo_mqar/") + train.MAX_SWEEP_NAME
+
+
+@pytest.mark.slow
+def test_a_stopped_parallel_sweep_resumes_by_the_command_it_prints(tmp_path):
+    """Ctrl-C (SIGINT to the process group) stops a parallel-launcher preset sweep; the one line it prints
+    is a command that, run as is, finishes every job, resuming those that had a checkpoint."""
+    import os
+    import shlex
+    import signal
+    import time
+
+    from conftest import train_env
+
+    require("hydra_plugins.hydra_joblib_launcher")
+    args = ["experiment=adding_grid", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", "steps=1500",
+            "checkpoint.every=100", "log_every=100", "eval_every=1500", "eval_batches=1", "data.seq_len=20"]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=train_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240  # until a job holds a checkpoint: multirun/adding_grid/<the other overrides>/<job>
+    while time.time() < deadline and not list(tmp_path.glob("multirun/adding_grid/*/*/checkpoints/[0-9]*")):
+        time.sleep(0.5)
+    (sweep_dir,) = (tmp_path / "multirun" / "adding_grid").iterdir()
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode in (75, 130), stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("rnnlab: error: sweep interrupted")]
+    assert len(lines) == 1, stderr[-3000:]
+    command = shlex.split(lines[0].split("resume it with: ", 1)[1])
+    assert command == ["python", "train.py", *args]  # the preset's sweep dir is stable: the same command
+    started = {job.name for job in jobs_of(sweep_dir) if list(job.glob("checkpoints/[0-9]*"))}
+    assert started
+    resumed = run_train(command[2:], cwd=tmp_path, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    jobs = jobs_of(sweep_dir)
+    assert len(jobs) == 4 and all(results_of(j)["status"] == "completed" and results_of(j)["step"] == 1500 for j in jobs)
+    for job in jobs:
+        if job.name in started:  # no job that had a checkpoint started over
+            assert "resumed from" in (job / "train.log").read_text(), job.name
