@@ -29,9 +29,13 @@ def rope(x, base=10000.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
 
 
-def rope_attention(query, key, value, **kwargs):
-    """Flax's dot-product attention with RoPE on the queries and keys (MHA's `attention_fn`)."""
-    return nn.dot_product_attention(rope(query), rope(key), value, **kwargs)
+def rope_attention(query, key, value, bias=None, mask=None, dropout_rng=None, dropout_rate=0.0,
+                   broadcast_dropout=True, deterministic=False, dtype=None, precision=None):
+    """Flax's dot-product attention with RoPE on the queries and keys (MHA's `attention_fn`; MHA passes only
+    the arguments this signature names, so each is named: with `**kwargs` the causal mask was dropped)."""
+    return nn.dot_product_attention(rope(query), rope(key), value, bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+                                    dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+                                    dtype=dtype, precision=precision)
 
 
 class TextbookBlock(nn.Module):
@@ -98,6 +102,23 @@ def train_accuracy_curve(model, config, task, seed=0):
         if step % 500 == 0:
             curve[step] = float(accuracy(params))
     return curve
+
+
+def test_the_twin_is_causal():
+    """Its step t reads steps <= t only: a change at the last step leaves every earlier output as it was."""
+    model = TextbookTransformer(vocab=10, outputs=3, width=8, depth=2, num_heads=2)
+    ids = jnp.arange(12).reshape(2, 6) % 10
+    params = model.init(jax.random.key(0), ids)
+    out, changed = model.apply(params, ids), model.apply(params, ids.at[:, -1].set(0))
+    np.testing.assert_allclose(out[:, :-1], changed[:, :-1], atol=1e-6)
+    assert np.abs(out[:, -1] - changed[:, -1]).max() > 1e-4
+
+
+def test_rope_rotates_pairs_by_position():
+    """RoPE as a complex rotation: (x_i + j x_{i+d/2}) exp(j t 10000^(-2i/d))."""
+    x = np.random.default_rng(0).normal(size=(1, 5, 2, 8))
+    z = (x[..., :4] + 1j * x[..., 4:]) * np.exp(1j * np.arange(5)[:, None, None] * 10000.0 ** (-np.arange(4) / 4))
+    np.testing.assert_allclose(rope(jnp.asarray(x, jnp.float32)), np.concatenate([z.real, z.imag], -1), atol=1e-5)
 
 
 @pytest.mark.slow
