@@ -17,7 +17,7 @@ from rnnlab.models import RecurrentLayer
 
 B, T, I = 2, 7, 5
 ATTENTION = dict(hidden_dim=8, num_heads=2)  # heads of width 4
-MAMBA = dict(hidden_dim=4, state_size=3, conv_size=3, expand=2, dt_rank=2)  # inner width 8
+MAMBA = dict(hidden_dim=4, state_size=3, conv_size=3, expand=2, dt_rank=2, chunk_size=3)  # inner width 8; T=7 ends mid-chunk
 
 
 def sigmoid(v):
@@ -162,8 +162,9 @@ def test_attention_matches_numpy(fields):
     assert_close(got, numpy_attention(x, params, fields["num_heads"]))
 
 
-@pytest.mark.parametrize("forms", fast_first([(("custom_vjp", "sequential"),), (("custom_vjp", "associative"),),
-                                              (("autodiff", "sequential"),), (("autodiff", "associative"),)]),
+@pytest.mark.parametrize("forms", fast_first([(("custom_vjp", "sequential"),), (("autodiff", "chunked"),),
+                                              (("custom_vjp", "associative"),), (("autodiff", "sequential"),),
+                                              (("autodiff", "associative"),)], keep=2),
                          ids="-".join)
 def test_mamba_matches_numpy(forms):
     recurrence_, time_scan = forms
@@ -233,7 +234,7 @@ def test_mamba_forms_agree_values_and_gradients():
     weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA["hidden_dim"])), jnp.float32)
 
     forms = [("autodiff", "sequential"), ("custom_vjp", "sequential"), ("custom_vjp", "associative"),
-             ("autodiff", "associative")]
+             ("autodiff", "associative"), ("autodiff", "chunked"), ("custom_vjp", "chunked")]
 
     @jax.jit  # one program for all four: one compile
     def values_and_grads(params, x):
@@ -327,3 +328,33 @@ def test_options_are_config_keys():
     assert (cell.state_size, cell.expand, cell.input_width, cell.state_floats(10)) == (8, 1, 128, 64 * 8)
     cell = compose_config(["model=attention", "model.num_heads=8"]).model.make_cell()
     assert cell.head_dim == 8 and cell.input_width == 3 * 64 and cell.state_floats(10) == 2 * 10 * 64
+
+
+def largest_arrays(fn, *args):
+    """Element counts of every value `fn(*args)` traces to, scan and checkpoint bodies included."""
+    from rnnlab.flops import _subjaxprs
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for value in eqn.params.values():
+                for inner in _subjaxprs(value):
+                    yield from walk(inner)
+
+    return sorted(set(walk(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+@pytest.mark.parametrize("time_scan", ["chunked", "sequential"])
+def test_mamba_chunked_train_step_has_no_time_by_state_array(time_scan):
+    """The whole training step (forward, backward, optimizer) of the chunked form traces to no array of
+    T*B*D*N elements (nor larger); the sequential form, which builds a, b: [T, B, D, N], does."""
+    from test_flops import step_and_args
+
+    length, batch = 192, 2
+    step, args, config, _ = step_and_args(["model=mamba", "hidden_dim=8", "num_layers=2", f"batch_size={batch}",
+                                           "data=adding", f"data.seq_len={length}", f"model.time_scan={time_scan}",
+                                           "model.chunk_size=16"])
+    cell = config.model.make_cell()
+    full = length * batch * cell.inner * cell.state_size
+    largest = largest_arrays(step, *args)[-1]
+    assert (largest < full) == (time_scan == "chunked"), (largest, full)
