@@ -16,7 +16,7 @@ from rnnlab.config import ConfigError
 from rnnlab.models import RecurrentLayer
 
 B, T, I = 2, 7, 5
-ATTENTION = dict(hidden_dim=8, num_heads=2)  # heads of width 4
+ATTENTION = dict(hidden_dim=8, num_heads=2, block_size=3)  # heads of width 4; T=7 ends mid-block
 MAMBA = dict(hidden_dim=4, state_size=3, conv_size=3, expand=2, dt_rank=2, chunk_size=3)  # inner width 8; T=7 ends mid-chunk
 
 
@@ -154,11 +154,13 @@ def assert_close(actual, expected, tol=1e-5):
     assert err <= tol * max(1.0, np.max(np.abs(expected))), (err, np.max(np.abs(expected)))
 
 
-@pytest.mark.parametrize("fields", [ATTENTION, dict(hidden_dim=6, num_heads=2), dict(hidden_dim=8, num_heads=4)],
+@pytest.mark.parametrize("time_scan", ["parallel", "blockwise"])
+@pytest.mark.parametrize("fields", [ATTENTION, dict(hidden_dim=6, num_heads=2, block_size=4),
+                                    dict(hidden_dim=8, num_heads=4, block_size=7)],
                          ids=["width4", "odd_width3", "width2"])
-def test_attention_matches_numpy(fields):
+def test_attention_matches_numpy(fields, time_scan):
     params, x = params_of("attention", fields), inputs()
-    got = jitted_apply("attention", key_of(fields))(f32(params), f32(x))
+    got = jitted_apply("attention", key_of(fields), time_scan=time_scan)(f32(params), f32(x))
     assert_close(got, numpy_attention(x, params, fields["num_heads"]))
 
 
@@ -198,14 +200,15 @@ def with_leaf(tree, path, value):
     return {**tree, path[0]: with_leaf(tree[path[0]], path[1:], value)}
 
 
-@pytest.mark.parametrize("cell", list(CELLS))
-def test_gradients_match_finite_differences(cell):
+@pytest.mark.parametrize("cell, time_scan", [("attention", "parallel"), ("attention", "blockwise"),
+                                             ("mamba", "sequential"), ("mamba", "chunked")])
+def test_gradients_match_finite_differences(cell, time_scan):
     """jax.grad of sum(out * R) along random directions of x and of parameters, against central
     differences of the float64 loop."""
     fields, reference = CELLS[cell]
     params, x = params_of(cell), inputs()
     weights = np.random.default_rng(7).normal(size=(B, T, fields["hidden_dim"]))
-    apply = apply_fn(make_layer(cell, fields))
+    apply = apply_fn(make_layer(cell, fields, time_scan=time_scan))
     loss = lambda p, x: jnp.sum(apply(p, x) * jnp.asarray(weights, jnp.float32))  # noqa: E731
     g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(f32(params), f32(x))
     rng = np.random.default_rng(11)
@@ -251,6 +254,27 @@ def test_mamba_forms_agree_values_and_gradients():
             assert_close(got, want, tol=2e-5)
 
 
+def test_attention_forms_agree_values_and_gradients():
+    """blockwise (blocks of 3 and of 2, T=7 ending mid-block) against parallel: the output and the
+    gradients of every parameter and of x."""
+    params, x = f32(params_of("attention")), f32(inputs())
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, ATTENTION["hidden_dim"])), jnp.float32)
+
+    @jax.jit
+    def values_and_grads(params, x):
+        results = []
+        for time_scan, block in [("parallel", 3), ("blockwise", 3), ("blockwise", 2)]:
+            apply = apply_fn(make_layer("attention", {**ATTENTION, "block_size": block}, time_scan=time_scan))
+            results.append(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * weights), argnums=(0, 1))(params, x))
+        return results
+
+    (want_loss, want_grads), *others = values_and_grads(params, x)
+    for loss, grads in others:
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+            assert_close(got, want, tol=2e-5)
+
+
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_output_is_causal(cell):
     """Changing x at step t changes no output before t, and the output at t."""
@@ -271,6 +295,7 @@ def test_state_floats_is_the_size_of_the_state():
     mamba = get_cell("mamba")(**MAMBA)
     carried = []
     original = recurrence.scan_linear
+    mamba_params = f32(params_of("mamba"))  # before the spy: drawing them traces the layer's init
 
     def spy(a, b, *args):
         carried.append(b.shape)
@@ -278,8 +303,7 @@ def test_state_floats_is_the_size_of_the_state():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(recurrence, "scan_linear", spy)
-        jax.eval_shape(apply_fn(make_layer("mamba", MAMBA, recurrence="autodiff")), f32(params_of("mamba")),
-                       f32(inputs()))
+        jax.eval_shape(apply_fn(make_layer("mamba", MAMBA, recurrence="autodiff")), mamba_params, f32(inputs()))
     (shape,) = carried
     assert shape[:2] == (T, B) and np.prod(shape[2:]) == mamba.state_floats(T) == 2 * 4 * 3
 
@@ -288,8 +312,8 @@ def test_state_floats_is_the_size_of_the_state():
     u = jnp.zeros((T, B, attention.input_width))
     jaxpr = jax.make_jaxpr(lambda u: attention.mix(params["cell"], u, None, "parallel", 1, "autodiff"))(u).jaxpr
     scores, values, _ = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]  # q k^T, p v, o W_o
-    per_head = (T, B, attention.num_heads, attention.head_dim)
-    k, v = ([a for a in e.invars if a.aval.shape == per_head][-1] for e in (scores, values))  # (q and k: alike)
+    per_head = sorted((T, B, attention.num_heads, attention.head_dim))  # time- or batch-major (the kernel's)
+    k, v = ([a for a in e.invars if sorted(a.aval.shape) == per_head][-1] for e in (scores, values))  # (q, k: alike)
     assert (np.prod(k.aval.shape) + np.prod(v.aval.shape)) // B == attention.state_floats(T) == 2 * T * 8
 
 

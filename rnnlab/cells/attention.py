@@ -1,6 +1,6 @@
 """Causal multi-head softmax attention (Vaswani et al. 2017), the reference mixer every recurrent
-paper compares against. Not a recurrent cell: it has no `step`, and its one form (`time_scan=parallel`)
-mixes every position at once. u_t: [B, 3H] holds q_t, k_t and v_t; heads of width d = H / num_heads.
+paper compares against. Not a recurrent cell: it has no `step`; it mixes every position at once, in
+one of two forms (`model.time_scan`). u_t: [B, 3H] holds q_t, k_t and v_t; heads of width d = H / num_heads.
 
     [q_t, k_t, v_t] = u_t = x_t W_xh + b                       (per head: q_t^h, k_t^h, v_t^h in R^d)
     q~_t = RoPE(q_t, t),   k~_s = RoPE(k_s, s)                  (rotary positions, below)
@@ -20,6 +20,17 @@ first step. Where d is odd, its last feature is not rotated (d - 1 takes the pla
 No residual, norm or MLP here: `model.block=residual` puts the pre-norm block around it, which
 makes it a (pre-norm, gated-MLP) transformer block. The state a causal decoder keeps after T steps
 is its KV cache, 2 T H floats per layer and example.
+
+Forms (`model.time_scan`), the same function:
+
+    parallel    `jax.nn.dot_product_attention(q~, k~, v, is_causal=True)`: the framework's kernel, which
+                picks cuDNN's flash attention on a GPU where it applies (bfloat16) and XLA's T x T
+                scores elsewhere (memory grows as T^2 there).
+    blockwise   flash attention in plain JAX (Dao et al. 2022): a scan over query blocks of
+                `model.block_size` steps, each an online softmax over key blocks (running max m,
+                normaliser l and output acc), `jax.checkpoint`ed, so the backward reruns a query block
+                and no [T, T] array is stored: memory grows as T. Every key block is visited (the
+                future ones masked), so it does the T x T work of `parallel`, in blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +45,46 @@ import jax.numpy as jnp
 from rnnlab.cells.registry import SequenceCell, register_cell
 
 ROPE_BASE = 10000.0
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int) -> jax.Array:
+    """Causal softmax attention by online softmax over blocks. q, k, v: [T, B, heads, d] (rotated) ->
+    [T, B, heads, d] in v's dtype; scores, the softmax's statistics and the sums in float32.
+
+    T is zero-padded to whole blocks: padded keys sit after every real query, so causality masks them."""
+    length, dtype = q.shape[0], v.dtype
+    block = max(1, min(block_size, length))
+    num_blocks = -(-length // block)
+    pad = [(0, num_blocks * block - length)] + [(0, 0)] * 3
+    q, k, v = (jnp.pad(a, pad).reshape(num_blocks, block, *a.shape[1:]) for a in (q, k, v))
+    positions = jnp.arange(num_blocks * block).reshape(num_blocks, block)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def query_block(_, query):
+        q_i, pos_i = query  # [C, B, heads, d], [C]
+
+        def key_block(stats, key):
+            m, l, acc = stats  # [B, heads, C] twice, [B, heads, C, d]
+            k_j, v_j, pos_j = key
+            s = jnp.einsum("tbnd,sbnd->bnts", q_i, k_j, preferred_element_type=jnp.float32) * scale
+            s = jnp.where(pos_j[None, :] <= pos_i[:, None], s, -jnp.inf)
+            # The result does not depend on m (it cancels), so m carries no gradient.
+            m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
+            p = jnp.exp(s - m_new[..., None])
+            rescale = jnp.exp(m - m_new)  # 0 at the first block (m = -inf): key 0 is never masked
+            acc = acc * rescale[..., None] + jnp.einsum("bnts,sbnd->bntd", p.astype(dtype), v_j,
+                                                        preferred_element_type=jnp.float32)
+            return (m_new, l * rescale + jnp.sum(p, axis=-1), acc), None
+
+        batch, heads, d = q_i.shape[1:]
+        init = (jnp.full((batch, heads, block), -jnp.inf), jnp.zeros((batch, heads, block)),
+                jnp.zeros((batch, heads, block, d)))
+        (_, l, acc), _ = jax.lax.scan(key_block, init, (k, v, positions))
+        return None, jnp.moveaxis(acc / l[..., None], 2, 0).astype(dtype)  # [C, B, heads, d]
+
+    # Checkpointed: the backward keeps only each query block's inputs and reruns its key scan.
+    _, o = jax.lax.scan(jax.checkpoint(query_block, prevent_cse=False), None, (q, positions))
+    return o.reshape(-1, *o.shape[2:])[:length]
 
 
 def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
@@ -53,10 +104,11 @@ def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Attention(SequenceCell):
     num_heads: int = 4  # heads of width hidden_dim / num_heads
+    block_size: int = 128  # steps per query and key block of the blockwise form
 
     name = "attention"
     num_gates = 3  # q, k, v: the input term is 3H wide, one initializer block each
-    time_scans = ("parallel",)  # every position at once (a T x T score matrix per head)
+    time_scans = ("parallel", "blockwise")  # jax.nn.dot_product_attention | flash-style blocks (module docstring)
 
     @property
     def head_dim(self) -> int:
@@ -69,23 +121,39 @@ class Attention(SequenceCell):
         if self.num_heads < 1 or self.hidden_dim % self.num_heads:
             return (f"key 'model.num_heads': got {self.num_heads}, must be a positive divisor of "
                     f"hidden_dim={self.hidden_dim} (heads of width hidden_dim / num_heads)")
+        if self.block_size < 1:
+            return f"key 'model.block_size': got {self.block_size}, must be >= 1"
         return None
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
-        """u: [T, B, 3H] -> [T, B, H]; `time_scan`, `unroll` and `recurrence` have one choice here."""
+        """u: [T, B, 3H] -> [T, B, H] by the form `time_scan`; `unroll` and `recurrence` are unused."""
         length, batch, _ = u.shape
         q, k, v = (a.reshape(length, batch, self.num_heads, self.head_dim) for a in jnp.split(u, 3, axis=-1))
         q, k = rope(q), rope(k)
-        scores = jnp.einsum("tbnd,sbnd->bnts", q, k, preferred_element_type=jnp.float32) / math.sqrt(self.head_dim)
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
-        o = jnp.einsum("bnts,sbnd->tbnd", probs, v).reshape(length, batch, self.hidden_dim)
-        return o @ params["W_o"]
+        if time_scan == "blockwise":
+            o = blockwise_attention(q, k, v, self.block_size)
+        else:  # the kernel's layout is batch-major, [B, T, heads, d]
+            o = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 0, 1) for a in (q, k, v)), is_causal=True)
+            o = jnp.swapaxes(o, 0, 1)
+        return o.reshape(length, batch, self.hidden_dim) @ params["W_o"]
 
     def state_floats(self, seq_len):
         return 2 * seq_len * self.hidden_dim  # the KV cache: k_s and v_s of every step s < T
 
+    def padded_length(self, seq_len, time_scan):
+        """The length the scores are computed over: whole blocks in the blockwise form."""
+        if time_scan != "blockwise":
+            return seq_len
+        block = min(self.block_size, seq_len)
+        return -(-seq_len // block) * block
+
     def mixing_flops(self, seq_len, time_scan):
         # Per token: q_t against all T keys (2 T d per head: 2 T H), the same for p_t V (the full T x T,
-        # masked half included, as computed), and o_t W_o (2 H^2); T tokens per example.
-        return seq_len * (4 * seq_len * self.hidden_dim + 2 * self.hidden_dim * self.hidden_dim)
+        # masked half included, as computed; blockwise: over whole blocks), and o_t W_o (2 H^2).
+        t = self.padded_length(seq_len, time_scan)
+        return t * 4 * t * self.hidden_dim + seq_len * 2 * self.hidden_dim * self.hidden_dim
+
+    def mixing_recompute_flops(self, seq_len, time_scan):
+        # The blockwise backward reruns each query block's scores and p V.
+        t = self.padded_length(seq_len, time_scan)
+        return t * 4 * t * self.hidden_dim if time_scan == "blockwise" else 0
