@@ -382,3 +382,18 @@ def test_mamba_chunked_train_step_has_no_time_by_state_array(time_scan):
     full = length * batch * cell.inner * cell.state_size
     largest = largest_arrays(step, *args)[-1]
     assert (largest < full) == (time_scan == "chunked"), (largest, full)
+
+
+@pytest.mark.parametrize("time_scan", ["blockwise", "parallel"])
+def test_attention_blockwise_train_step_has_no_time_by_time_array(time_scan):
+    """The blockwise form's training step traces to no array of T*T elements (its causal masks included:
+    JAX kept them for every block pair until they were made to depend on the data); `parallel`, whose
+    kernel on CPU forms the scores, has [B, heads, T, T]."""
+    from test_flops import step_and_args
+
+    length = 192
+    step, args, _, _ = step_and_args(["model=attention", "hidden_dim=8", "num_layers=2", "batch_size=2",
+                                      "data=adding", f"data.seq_len={length}", f"model.time_scan={time_scan}",
+                                      "model.num_heads=2", "model.block_size=16"])
+    largest = largest_arrays(step, *args)[-1]
+    assert (largest < length * length) == (time_scan == "blockwise"), (largest, length * length)

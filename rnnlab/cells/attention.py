@@ -28,9 +28,10 @@ Forms (`model.time_scan`), the same function:
                 scores elsewhere (memory grows as T^2 there).
     blockwise   flash attention in plain JAX (Dao et al. 2022): a scan over query blocks of
                 `model.block_size` steps, each an online softmax over key blocks (running max m,
-                normaliser l and output acc), `jax.checkpoint`ed, so the backward reruns a query block
-                and no [T, T] array is stored: memory grows as T. Every key block is visited (the
-                future ones masked), so it does the T x T work of `parallel`, in blocks.
+                normaliser l and output acc), with FlashAttention-2's hand-written backward, which
+                recomputes each block pair's probabilities from the saved log-sum-exp: no [T, T]
+                array is stored, memory grows as T. Every key block is visited (the future ones
+                masked), so it does the T x T work of `parallel`, in blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.registry import SequenceCell, register_cell
 
 ROPE_BASE = 10000.0
@@ -52,39 +54,105 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: in
     [T, B, heads, d] in v's dtype; scores, the softmax's statistics and the sums in float32.
 
     T is zero-padded to whole blocks: padded keys sit after every real query, so causality masks them."""
-    length, dtype = q.shape[0], v.dtype
+    length = q.shape[0]
     block = max(1, min(block_size, length))
     num_blocks = -(-length // block)
     pad = [(0, num_blocks * block - length)] + [(0, 0)] * 3
     q, k, v = (jnp.pad(a, pad).reshape(num_blocks, block, *a.shape[1:]) for a in (q, k, v))
-    positions = jnp.arange(num_blocks * block).reshape(num_blocks, block)
-    scale = 1 / math.sqrt(q.shape[-1])
+    o = _flash(q, k, v)
+    return o.reshape(-1, *o.shape[2:])[:length]
+
+
+def _scores(q_i, k_j, i, j, zero):
+    """Scaled scores of query block i against key block j, the future masked: float32 [B, heads, C, C].
+    `zero`: an int 0 computed from the block's data (`_zero_from`), so that the mask is too."""
+    block = q_i.shape[0]
+    s = mm("tbnd,sbnd->bnts", q_i, k_j, q_i.dtype) / math.sqrt(q_i.shape[-1])
+    offset = (i - j) * block + zero  # query t sees key s where s <= t + offset (positions within the blocks)
+    visible = jnp.arange(block)[None, :] <= jnp.arange(block)[:, None] + offset
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def _flash_forward(q, k, v):
+    """Blocked q, k, v: [N, C, B, heads, d] -> (o: [N, C, B, heads, d] in v's dtype, the log-sum-exp of
+    each query's scores: float32 [N, B, heads, C])."""
+    num_blocks, block, batch, heads, d = q.shape
 
     def query_block(_, query):
-        q_i, pos_i = query  # [C, B, heads, d], [C]
+        q_i, i = query
 
         def key_block(stats, key):
             m, l, acc = stats  # [B, heads, C] twice, [B, heads, C, d]
-            k_j, v_j, pos_j = key
-            s = jnp.einsum("tbnd,sbnd->bnts", q_i, k_j, preferred_element_type=jnp.float32) * scale
-            s = jnp.where(pos_j[None, :] <= pos_i[:, None], s, -jnp.inf)
-            # The result does not depend on m (it cancels), so m carries no gradient.
-            m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
+            k_j, v_j, j = key
+            s = _scores(q_i, k_j, i, j, _zero_from(q_i))
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite from block 0 on: key 0 is never masked
             p = jnp.exp(s - m_new[..., None])
-            rescale = jnp.exp(m - m_new)  # 0 at the first block (m = -inf): key 0 is never masked
-            acc = acc * rescale[..., None] + jnp.einsum("bnts,sbnd->bntd", p.astype(dtype), v_j,
-                                                        preferred_element_type=jnp.float32)
+            rescale = jnp.exp(m - m_new)
+            acc = acc * rescale[..., None] + mm("bnts,sbnd->bntd", p, v_j, v.dtype)
             return (m_new, l * rescale + jnp.sum(p, axis=-1), acc), None
 
-        batch, heads, d = q_i.shape[1:]
         init = (jnp.full((batch, heads, block), -jnp.inf), jnp.zeros((batch, heads, block)),
                 jnp.zeros((batch, heads, block, d)))
-        (_, l, acc), _ = jax.lax.scan(key_block, init, (k, v, positions))
-        return None, jnp.moveaxis(acc / l[..., None], 2, 0).astype(dtype)  # [C, B, heads, d]
+        (m, l, acc), _ = jax.lax.scan(key_block, init, (k, v, jnp.arange(num_blocks)))
+        o = jnp.moveaxis(acc / l[..., None], 2, 0).astype(v.dtype)  # [C, B, heads, d]
+        return None, (o, m + jnp.log(l))
 
-    # Checkpointed: the backward keeps only each query block's inputs and reruns its key scan.
-    _, o = jax.lax.scan(jax.checkpoint(query_block, prevent_cse=False), None, (q, positions))
-    return o.reshape(-1, *o.shape[2:])[:length]
+    _, (o, lse) = jax.lax.scan(query_block, None, (q, jnp.arange(num_blocks)))
+    return o, lse
+
+
+@jax.custom_vjp
+def _flash(q, k, v):
+    """Blocked causal attention (`_flash_forward`'s o), with FlashAttention-2's backward (Dao 2023): it keeps
+    q, k, v, o and the log-sum-exp, and recomputes each block pair's probabilities from them, so no
+    [T, T] array and no per-block history is stored. (Autodiff of a checkpointed form would do as
+    much, but JAX then saved the causal masks of every block pair for the backward: T^2 bytes.)"""
+    return _flash_forward(q, k, v)[0]
+
+
+def _flash_fwd(q, k, v):
+    o, lse = _flash_forward(q, k, v)
+    return o, (q, k, v, o, lse)
+
+
+def _zero_from(x: jax.Array) -> jax.Array:
+    """int32 0 that depends on x's value. Inside the layer scan, JAX's partial evaluation computes
+    what depends on constants alone once, ahead of the loops, and keeps it: the causal masks of
+    every block pair (T^2 bytes, measured) unless they depend on the data (q forward, do backward)."""
+    first = x.reshape(-1)[0]
+    return jnp.where(first == first, 0, 0).astype(jnp.int32)
+
+
+def _flash_bwd(residuals, do):
+    """dq, dk, dv. Per block pair: p = exp(s - lse), dv_j += p^T do_i, dp = do_i v_j^T,
+    ds = p * (dp - rowsum(do_i * o_i)), dq_i += ds k_j / sqrt(d), dk_j += ds^T q_i / sqrt(d).
+    A scan over key blocks carries dq; each runs a scan over query blocks that carries its dk_j, dv_j."""
+    q, k, v, o, lse = residuals
+    num_blocks = q.shape[0]
+    dtype, scale = q.dtype, 1 / math.sqrt(q.shape[-1])
+    delta = jnp.moveaxis(jnp.sum(do.astype(F32) * o.astype(F32), axis=-1), 1, -1)  # [N, B, heads, C], elementwise
+
+    def key_block(dq, key):
+        k_j, v_j, j = key
+
+        def query_block(grads, query):
+            dk_j, dv_j = grads
+            q_i, do_i, lse_i, delta_i, i = query
+            p = jnp.exp(_scores(q_i, k_j, i, j, _zero_from(do_i)) - lse_i[..., None])  # 0 where masked
+            dv_j = dv_j + mm("bnts,tbnd->sbnd", p, do_i, dtype)
+            ds = p * (mm("tbnd,sbnd->bnts", do_i, v_j, dtype) - delta_i[..., None])
+            dk_j = dk_j + mm("bnts,tbnd->sbnd", ds, q_i, dtype) * scale
+            return (dk_j, dv_j), mm("bnts,sbnd->tbnd", ds, k_j, dtype) * scale
+
+        zeros = jnp.zeros(k_j.shape, F32)
+        (dk_j, dv_j), dq_j = jax.lax.scan(query_block, (zeros, zeros), (q, do, lse, delta, jnp.arange(num_blocks)))
+        return dq + dq_j, (dk_j, dv_j)
+
+    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, F32), (k, v, jnp.arange(num_blocks)))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
@@ -154,6 +222,6 @@ class Attention(SequenceCell):
         return t * 4 * t * self.hidden_dim + seq_len * 2 * self.hidden_dim * self.hidden_dim
 
     def mixing_recompute_flops(self, seq_len, time_scan):
-        # The blockwise backward reruns each query block's scores and p V.
+        # The blockwise backward recomputes the scores q k^T (p V it does not need).
         t = self.padded_length(seq_len, time_scan)
-        return t * 4 * t * self.hidden_dim if time_scan == "blockwise" else 0
+        return t * 2 * t * self.hidden_dim if time_scan == "blockwise" else 0
