@@ -105,8 +105,8 @@ def _flash_forward(q, k, v):
 def _flash(q, k, v):
     """Blocked causal attention (`_flash_forward`'s o), with FlashAttention-2's backward (Dao 2023): it keeps
     q, k, v, o and the log-sum-exp, and recomputes each block pair's probabilities from them, so no
-    [T, T] array and no per-block history is stored. (Autodiff of a checkpointed form would do as
-    much, but JAX then saved the causal masks of every block pair for the backward: T^2 bytes.)"""
+    [T, T] array and no per-block history is stored. (Autodiff of a checkpointed query block would rerun
+    two products, q k^T and p v, and keep each key block's scores while differentiating it.)"""
     return _flash_forward(q, k, v)[0]
 
 
