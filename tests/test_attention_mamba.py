@@ -335,12 +335,16 @@ def test_mamba_starts_as_the_paper_initialises_it():
     (["model=attention", "hidden_dim=6"], r"^key 'model.num_heads': got 4, must be a positive divisor of hidden_dim=6"),
     (["model=attention", "model.num_heads=3"], r"^key 'model.num_heads': got 3"),
     (["model=attention", "model.time_scan=sequential"],
-     r"^key 'model.time_scan': got 'sequential', allowed for cell 'attention': parallel"),
+     r"^key 'model.time_scan': got 'sequential', allowed for cell 'attention': parallel, blockwise"),
     (["model=mamba", "model.state_size=0"], r"^key 'model.state_size': got 0, must be >= 1"),
     (["model=mamba", "model.conv_size=-1"], r"^key 'model.conv_size': got -1, must be >= 0"),
     (["model=mamba", "model.expand=0"], r"^key 'model.expand': got 0"),
     (["model=mamba", "model.time_scan=parallel"],
-     r"^key 'model.time_scan': got 'parallel', allowed for cell 'mamba': sequential, associative"),
+     r"^key 'model.time_scan': got 'parallel', allowed for cell 'mamba': sequential, associative, chunked"),
+    (["model=mamba", "model.chunk_size=0"], r"^key 'model.chunk_size': got 0, must be >= 1"),
+    (["model=attention", "model.block_size=0"], r"^key 'model.block_size': got 0, must be >= 1"),
+    (["model=attention", "model.time_scan=chunked"],
+     r"^key 'model.time_scan': got 'chunked', allowed for cell 'attention': parallel, blockwise"),
 ])
 def test_refusals_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
