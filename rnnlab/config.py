@@ -53,7 +53,7 @@ class ModelConfig:
     unroll: Optional[int]  # None: per platform, resolved by rnnlab.models.build_model
     dropout: float
     block: str  # plain: the layers as they are | residual: pre-norm residual blocks with a gated MLP
-    time_scan: str  # sequential | associative (cells linear in their state)
+    time_scan: str  # one of the cell's forms (`Cell.time_scans`): sequential, associative, chunked, parallel, blockwise
     # The residual block's channel mixer after the mixer (rnnlab.blocks): none | gelu | geglu | swiglu, its
     # hidden width in multiples of hidden_dim, and biases on its dense layers. Each model config names its
     # paper's; a config that leaves them out gets today's gated MLP.

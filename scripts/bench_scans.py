@@ -5,6 +5,7 @@ tokens/s, memory and compile time.
     python scripts/bench_scans.py --cells gla deltanet --seq-lens 1024 --repeats 3
     python scripts/bench_scans.py --cells mingru --recurrences custom_vjp autodiff   # both backwards
     python scripts/bench_scans.py --compile-layers 2 8 16            # compile seconds against depth only
+    python scripts/bench_scans.py --cells mamba attention --seq-lens 1024 4096 --memory-only   # compile, don't run
 
 Each row is rnnlab's train step as `scripts/benchmark.py`'s bare-step column times it (one
 `train_step` per call under `jax.pmap` on one device, Adam, the adding task, H=256, B=16, L=2 by
@@ -14,7 +15,8 @@ matrix-state cells and attention with their configs' heads and chunk), with: tok
 to them + temporaries: the step's peak as XLA plans it) and its compile seconds. Each cell runs
 every form it has (`Cell.time_scans`, narrowed by `--scans`), with its config's `model.recurrence`
 or each of `--recurrences`. A step that would not fit in free memory is compiled, not run, and its
-row says so. Results also go to `--json`.
+row says so; `--memory-only` compiles every row and runs none (the memory column alone, for lengths
+whose old forms would not fit). Results also go to `--json`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
     row = {"cell": cell, "time_scan": time_scan, "recurrence": config.model.recurrence, "T": t, "H": args.hidden,
            "B": args.batch, "L": args.layers, "memory_mib": step_bytes(step.p_step) / MIB,
            "compile_seconds": step.compile_seconds, "load": load()}
+    if args.memory_only:
+        return row | {"ms_per_step": None, "tokens_per_sec": None, "skipped": "memory only"}
     free = memory.free_bytes(step.devices)
     if free is not None and row["memory_mib"] * MIB > 0.9 * free:
         return row | {"ms_per_step": None, "tokens_per_sec": None, "skipped": f"needs {row['memory_mib']:,.0f} MiB"}
@@ -103,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-seconds", type=float, default=0.5)
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only compile seconds for these num_layers")
+    parser.add_argument("--memory-only", action="store_true", help="compile each row for its memory; run none")
     parser.add_argument("--json", type=Path, default=Path("bench_scans.json"))
     args = parser.parse_args(argv)
     device = jax.devices()[0]
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
                     row = time_row(cell, time_scan, recurrence, args, t)
                     rows.append(row)
                     timing = (f"{row['ms_per_step']:9.2f} {row['tokens_per_sec']:10,.0f}" if row["tokens_per_sec"]
-                              else f"{'not run:':>9} {'too big':>10}")
+                              else f"{'not run:':>9} {'mem only' if args.memory_only else 'too big':>10}")
                     print(f"{cell:16} {time_scan:11} {row['recurrence']:10} {t:5d} {timing} "
                           f"{row['memory_mib']:10.1f} {row['compile_seconds']:9.2f} | load {row['load']:.2f}", flush=True)
         result = {"rows": rows}

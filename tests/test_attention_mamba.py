@@ -16,8 +16,8 @@ from rnnlab.config import ConfigError
 from rnnlab.models import RecurrentLayer
 
 B, T, I = 2, 7, 5
-ATTENTION = dict(hidden_dim=8, num_heads=2)  # heads of width 4
-MAMBA = dict(hidden_dim=4, state_size=3, conv_size=3, expand=2, dt_rank=2)  # inner width 8
+ATTENTION = dict(hidden_dim=8, num_heads=2, block_size=3)  # heads of width 4; T=7 ends mid-block
+MAMBA = dict(hidden_dim=4, state_size=3, conv_size=3, expand=2, dt_rank=2, chunk_size=3)  # inner width 8; T=7 ends mid-chunk
 
 
 def sigmoid(v):
@@ -154,16 +154,19 @@ def assert_close(actual, expected, tol=1e-5):
     assert err <= tol * max(1.0, np.max(np.abs(expected))), (err, np.max(np.abs(expected)))
 
 
-@pytest.mark.parametrize("fields", [ATTENTION, dict(hidden_dim=6, num_heads=2), dict(hidden_dim=8, num_heads=4)],
+@pytest.mark.parametrize("time_scan", ["parallel", "blockwise"])
+@pytest.mark.parametrize("fields", [ATTENTION, dict(hidden_dim=6, num_heads=2, block_size=4),
+                                    dict(hidden_dim=8, num_heads=4, block_size=7)],
                          ids=["width4", "odd_width3", "width2"])
-def test_attention_matches_numpy(fields):
+def test_attention_matches_numpy(fields, time_scan):
     params, x = params_of("attention", fields), inputs()
-    got = jitted_apply("attention", key_of(fields))(f32(params), f32(x))
+    got = jitted_apply("attention", key_of(fields), time_scan=time_scan)(f32(params), f32(x))
     assert_close(got, numpy_attention(x, params, fields["num_heads"]))
 
 
-@pytest.mark.parametrize("forms", fast_first([(("custom_vjp", "sequential"),), (("custom_vjp", "associative"),),
-                                              (("autodiff", "sequential"),), (("autodiff", "associative"),)]),
+@pytest.mark.parametrize("forms", fast_first([(("custom_vjp", "sequential"),), (("autodiff", "chunked"),),
+                                              (("custom_vjp", "associative"),), (("autodiff", "sequential"),),
+                                              (("autodiff", "associative"),)], keep=2),
                          ids="-".join)
 def test_mamba_matches_numpy(forms):
     recurrence_, time_scan = forms
@@ -197,14 +200,15 @@ def with_leaf(tree, path, value):
     return {**tree, path[0]: with_leaf(tree[path[0]], path[1:], value)}
 
 
-@pytest.mark.parametrize("cell", list(CELLS))
-def test_gradients_match_finite_differences(cell):
+@pytest.mark.parametrize("cell, time_scan", [("attention", "parallel"), ("attention", "blockwise"),
+                                             ("mamba", "sequential"), ("mamba", "chunked")])
+def test_gradients_match_finite_differences(cell, time_scan):
     """jax.grad of sum(out * R) along random directions of x and of parameters, against central
     differences of the float64 loop."""
     fields, reference = CELLS[cell]
     params, x = params_of(cell), inputs()
     weights = np.random.default_rng(7).normal(size=(B, T, fields["hidden_dim"]))
-    apply = apply_fn(make_layer(cell, fields))
+    apply = apply_fn(make_layer(cell, fields, time_scan=time_scan))
     loss = lambda p, x: jnp.sum(apply(p, x) * jnp.asarray(weights, jnp.float32))  # noqa: E731
     g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(f32(params), f32(x))
     rng = np.random.default_rng(11)
@@ -233,13 +237,34 @@ def test_mamba_forms_agree_values_and_gradients():
     weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA["hidden_dim"])), jnp.float32)
 
     forms = [("autodiff", "sequential"), ("custom_vjp", "sequential"), ("custom_vjp", "associative"),
-             ("autodiff", "associative")]
+             ("autodiff", "associative"), ("autodiff", "chunked"), ("custom_vjp", "chunked")]
 
     @jax.jit  # one program for all four: one compile
     def values_and_grads(params, x):
         results = []
         for recurrence_, time_scan in forms:
             apply = apply_fn(make_layer("mamba", MAMBA, recurrence=recurrence_, time_scan=time_scan))
+            results.append(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * weights), argnums=(0, 1))(params, x))
+        return results
+
+    (want_loss, want_grads), *others = values_and_grads(params, x)
+    for loss, grads in others:
+        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+        for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
+            assert_close(got, want, tol=2e-5)
+
+
+def test_attention_forms_agree_values_and_gradients():
+    """blockwise (blocks of 3 and of 2, T=7 ending mid-block) against parallel: the output and the
+    gradients of every parameter and of x."""
+    params, x = f32(params_of("attention")), f32(inputs())
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, ATTENTION["hidden_dim"])), jnp.float32)
+
+    @jax.jit
+    def values_and_grads(params, x):
+        results = []
+        for time_scan, block in [("parallel", 3), ("blockwise", 3), ("blockwise", 2)]:
+            apply = apply_fn(make_layer("attention", {**ATTENTION, "block_size": block}, time_scan=time_scan))
             results.append(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * weights), argnums=(0, 1))(params, x))
         return results
 
@@ -270,6 +295,7 @@ def test_state_floats_is_the_size_of_the_state():
     mamba = get_cell("mamba")(**MAMBA)
     carried = []
     original = recurrence.scan_linear
+    mamba_params = f32(params_of("mamba"))  # before the spy: drawing them traces the layer's init
 
     def spy(a, b, *args):
         carried.append(b.shape)
@@ -277,8 +303,7 @@ def test_state_floats_is_the_size_of_the_state():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(recurrence, "scan_linear", spy)
-        jax.eval_shape(apply_fn(make_layer("mamba", MAMBA, recurrence="autodiff")), f32(params_of("mamba")),
-                       f32(inputs()))
+        jax.eval_shape(apply_fn(make_layer("mamba", MAMBA, recurrence="autodiff")), mamba_params, f32(inputs()))
     (shape,) = carried
     assert shape[:2] == (T, B) and np.prod(shape[2:]) == mamba.state_floats(T) == 2 * 4 * 3
 
@@ -287,8 +312,8 @@ def test_state_floats_is_the_size_of_the_state():
     u = jnp.zeros((T, B, attention.input_width))
     jaxpr = jax.make_jaxpr(lambda u: attention.mix(params["cell"], u, None, "parallel", 1, "autodiff"))(u).jaxpr
     scores, values, _ = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]  # q k^T, p v, o W_o
-    per_head = (T, B, attention.num_heads, attention.head_dim)
-    k, v = ([a for a in e.invars if a.aval.shape == per_head][-1] for e in (scores, values))  # (q and k: alike)
+    per_head = sorted((T, B, attention.num_heads, attention.head_dim))  # time- or batch-major (the kernel's)
+    k, v = ([a for a in e.invars if sorted(a.aval.shape) == per_head][-1] for e in (scores, values))  # (q, k: alike)
     assert (np.prod(k.aval.shape) + np.prod(v.aval.shape)) // B == attention.state_floats(T) == 2 * T * 8
 
 
@@ -310,12 +335,16 @@ def test_mamba_starts_as_the_paper_initialises_it():
     (["model=attention", "hidden_dim=6"], r"^key 'model.num_heads': got 4, must be a positive divisor of hidden_dim=6"),
     (["model=attention", "model.num_heads=3"], r"^key 'model.num_heads': got 3"),
     (["model=attention", "model.time_scan=sequential"],
-     r"^key 'model.time_scan': got 'sequential', allowed for cell 'attention': parallel"),
+     r"^key 'model.time_scan': got 'sequential', allowed for cell 'attention': parallel, blockwise"),
     (["model=mamba", "model.state_size=0"], r"^key 'model.state_size': got 0, must be >= 1"),
     (["model=mamba", "model.conv_size=-1"], r"^key 'model.conv_size': got -1, must be >= 0"),
     (["model=mamba", "model.expand=0"], r"^key 'model.expand': got 0"),
     (["model=mamba", "model.time_scan=parallel"],
-     r"^key 'model.time_scan': got 'parallel', allowed for cell 'mamba': sequential, associative"),
+     r"^key 'model.time_scan': got 'parallel', allowed for cell 'mamba': sequential, associative, chunked"),
+    (["model=mamba", "model.chunk_size=0"], r"^key 'model.chunk_size': got 0, must be >= 1"),
+    (["model=attention", "model.block_size=0"], r"^key 'model.block_size': got 0, must be >= 1"),
+    (["model=attention", "model.time_scan=chunked"],
+     r"^key 'model.time_scan': got 'chunked', allowed for cell 'attention': parallel, blockwise"),
 ])
 def test_refusals_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -327,3 +356,48 @@ def test_options_are_config_keys():
     assert (cell.state_size, cell.expand, cell.input_width, cell.state_floats(10)) == (8, 1, 128, 64 * 8)
     cell = compose_config(["model=attention", "model.num_heads=8"]).model.make_cell()
     assert cell.head_dim == 8 and cell.input_width == 3 * 64 and cell.state_floats(10) == 2 * 10 * 64
+
+
+def largest_arrays(fn, *args):
+    """Element counts of every value `fn(*args)` traces to, scan and checkpoint bodies included."""
+    from rnnlab.flops import _subjaxprs
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield from (int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+            for value in eqn.params.values():
+                for inner in _subjaxprs(value):
+                    yield from walk(inner)
+
+    return sorted(set(walk(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+@pytest.mark.parametrize("time_scan", ["chunked", "sequential"])
+def test_mamba_chunked_train_step_has_no_time_by_state_array(time_scan):
+    """The whole training step (forward, backward, optimizer) of the chunked form traces to no array of
+    T*B*D*N elements (nor larger); the sequential form, which builds a, b: [T, B, D, N], does."""
+    from test_flops import step_and_args
+
+    length, batch = 192, 2
+    step, args, config, _ = step_and_args(["model=mamba", "hidden_dim=8", "num_layers=2", f"batch_size={batch}",
+                                           "data=adding", f"data.seq_len={length}", f"model.time_scan={time_scan}",
+                                           "model.chunk_size=16"])
+    cell = config.model.make_cell()
+    full = length * batch * cell.inner * cell.state_size
+    largest = largest_arrays(step, *args)[-1]
+    assert (largest < full) == (time_scan == "chunked"), (largest, full)
+
+
+@pytest.mark.parametrize("time_scan", ["blockwise", "parallel"])
+def test_attention_blockwise_train_step_has_no_time_by_time_array(time_scan):
+    """The blockwise form's training step traces to no array of T*T elements (its causal masks included:
+    JAX kept them for every block pair until they were made to depend on the data); `parallel`, whose
+    kernel on CPU forms the scores, has [B, heads, T, T]."""
+    from test_flops import step_and_args
+
+    length = 192
+    step, args, _, _ = step_and_args(["model=attention", "hidden_dim=8", "num_layers=2", "batch_size=2",
+                                      "data=adding", f"data.seq_len={length}", f"model.time_scan={time_scan}",
+                                      "model.num_heads=2", "model.block_size=16"])
+    largest = largest_arrays(step, *args)[-1]
+    assert (largest < length * length) == (time_scan == "blockwise"), (largest, length * length)

@@ -79,7 +79,9 @@ OPTIONS = [
     ["model.block=residual", "model.mlp=none"],
     ["model.time_scan=associative"],  # linear cells only
     ["model.time_scan=associative", "model.recurrence=autodiff", "model.block=residual"],
-    ["model.time_scan=chunked"],  # matrix-state cells only
+    ["model.time_scan=chunked"],  # matrix-state cells and mamba
+    ["model.time_scan=chunked", "++model.chunk_size=2"],  # T=5: the last chunk padded
+    ["model.time_scan=blockwise", "++model.block_size=2"],  # attention only; T=5: the last block padded
 ]
 
 

@@ -146,3 +146,14 @@ def test_bench_scans_times_every_form_of_a_cell(tmp_path, monkeypatch):
     assert all(row["tokens_per_sec"] > 0 and row["memory_mib"] > 0 and row["compile_seconds"] > 0
                for row in result["rows"])
     assert json.loads(out.read_text())["rows"] == result["rows"]
+
+
+@pytest.mark.slow
+def test_bench_scans_memory_only_compiles_and_runs_nothing(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    result = load_script("bench_scans").main(["--cells", "mamba", "attention", "--seq-lens", "8", "--hidden", "8",
+                                              "--batch", "2", "--memory-only", "--json", str(tmp_path / "m.json")])
+    forms = [(row["cell"], row["time_scan"]) for row in result["rows"]]
+    assert forms == [("mamba", "sequential"), ("mamba", "associative"), ("mamba", "chunked"),
+                     ("attention", "parallel"), ("attention", "blockwise")]
+    assert all(row["memory_mib"] > 0 and row["tokens_per_sec"] is None for row in result["rows"])

@@ -66,13 +66,14 @@ def from_chunks(x: jax.Array, length: int) -> jax.Array:
     return x.reshape(-1, *x.shape[2:])[:length]
 
 
-def block_checkpoint_scan(step: Callable, init: Any, xs: list, block: int):
+def block_checkpoint_scan(step: Callable, init: Any, xs: list, block: int, unroll: int = 1):
     """`lax.scan(step, init, xs)` over the time axis of xs (padded by the caller to a multiple
     of `block`), as an outer scan over blocks whose body is `jax.checkpoint` of the inner scan:
-    autodiff keeps one carry per block, and recomputes a block's steps in its backward."""
+    autodiff keeps one carry per block, and recomputes a block's steps in its backward.
+    `unroll`: the inner scan's steps per loop iteration."""
 
     def body(carry, xs_block):
-        return jax.lax.scan(step, carry, xs_block)
+        return jax.lax.scan(step, carry, xs_block, unroll=unroll)
 
     xs = [x.reshape(x.shape[0] // block, block, *x.shape[1:]) for x in xs]
     carry, ys = jax.lax.scan(jax.checkpoint(body, prevent_cse=False), init, xs)

@@ -14,9 +14,19 @@ State Spaces", Algorithm 2 and Fig. 3). Inner width D = E*H (`model.expand` = E)
     out_t = (y_t * silu(z_t)) W_out                     (W_out: [D, H])
 
 `conv_size=0` leaves the convolution out (x'_t = silu(x_t)). The recurrence is elementwise in (D, N),
-so it is `rnnlab.recurrence.linear_recurrence` over a, b: [T, B, D, N] (`model.time_scan`: sequential
-or associative; `model.recurrence=custom_vjp`: its hand-written backward, autodiff: `jax.grad` of the
-scan), run in float32 whatever `model.dtype`, as the reference implementation runs its scan.
+run in float32 whatever `model.dtype`, as the reference implementation runs its scan. Its forms
+(`model.time_scan`):
+
+    sequential, associative   `rnnlab.recurrence.linear_recurrence` over a, b: [T, B, D, N] built in
+                              full (`model.recurrence=custom_vjp`: its hand-written backward, autodiff:
+                              `jax.grad` of the scan); step memory grows as T * B * D * N.
+    chunked                   one `lax.scan` over time that discretises each step on the fly from
+                              Delta_t, x'_t: [B, D] and B_t, C_t: [B, N] and emits y_t = h_t C_t, cut
+                              into chunks of `model.chunk_size` steps, each `jax.checkpoint`ed
+                              (`gla_forms.block_checkpoint_scan`): autodiff keeps one h: [B, D, N] per
+                              chunk and reruns a chunk's steps in its backward, so no [T, B, D, N]
+                              array exists in the step (the selective scan of Mamba's CUDA kernel,
+                              which keeps h in SRAM, written in JAX). `model.recurrence` is unused.
 
 Parameters and initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every
 channel (S4D-real: A_log = log n); D_skip = 1; Delta's bias such that softplus(dt_bias) = dt, with dt
@@ -36,6 +46,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Delta's initial range, and its floor (the reference's)
@@ -71,6 +82,28 @@ def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
     return sum(padded[k:k + length] * w[k] for k in range(width)) + bias
 
 
+def selective_scan_chunked(delta: jax.Array, xs: jax.Array, b_in: jax.Array, c_out: jax.Array, a: jax.Array,
+                           chunk_size: int, unroll: int = 1) -> jax.Array:
+    """sum_n h_t[d, n] C_t[n] with h_t = exp(Delta_t A) * h_{t-1} + (Delta_t x'_t) B_t, from h = 0.
+
+    delta, xs: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A, negative) -> f32[T, B, D].
+    Chunks of `chunk_size` steps are checkpointed, so autodiff stores one h: [B, D, N] per chunk."""
+    length = delta.shape[0]
+    block = max(1, min(chunk_size, length))
+    padded = -(-length // block) * block
+    # Padded steps: Delta = 0 gives exp(0 A) = 1 and no input, so h passes through them unchanged.
+    inputs = pad_time([delta, delta * xs, b_in, c_out], padded)
+
+    def step(h, inp):
+        d_t, dx_t, b_t, c_t = inp
+        h = jnp.exp(d_t[..., None] * a) * h + dx_t[..., None] * b_t[:, None, :]
+        return h, jnp.sum(h * c_t[:, None, :], axis=-1)  # elementwise, as the other forms' h_t C_t
+
+    init = jnp.zeros((*delta.shape[1:], a.shape[-1]), delta.dtype)
+    _, ys = block_checkpoint_scan(step, init, inputs, block, unroll)
+    return ys[:length]
+
+
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class Mamba(SequenceCell):
@@ -78,9 +111,10 @@ class Mamba(SequenceCell):
     conv_size: int = 4  # K: width of the short causal depthwise convolution; 0 = none
     expand: int = 2  # E: inner width E * hidden_dim
     dt_rank: int = 0  # R: rank of Delta's input map; 0 = ceil(hidden_dim / 16)
+    chunk_size: int = 64  # steps per checkpointed chunk of the chunked form (one [B, D, N] state kept per chunk)
 
     name = "mamba"
-    time_scans = ("sequential", "associative")
+    time_scans = ("sequential", "associative", "chunked")
     input_bias = False  # the reference's in_proj has no bias
 
     def input_init(self):
@@ -116,7 +150,7 @@ class Mamba(SequenceCell):
                 "W_out": ((d, self.hidden_dim), _fan_in_uniform(d))}
 
     def option_problem(self):
-        for key, low in (("state_size", 1), ("conv_size", 0), ("expand", 1), ("dt_rank", 0)):
+        for key, low in (("state_size", 1), ("conv_size", 0), ("expand", 1), ("dt_rank", 0), ("chunk_size", 1)):
             if getattr(self, key) < low:
                 return f"key 'model.{key}': got {getattr(self, key)}, must be >= {low}"
         return None
@@ -132,16 +166,22 @@ class Mamba(SequenceCell):
         d_low, b_in, c_out = jnp.split(xs @ params["W_x"], [self.rank, self.rank + self.state_size], axis=-1)
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
         delta = jax.nn.softplus(f32(d_low @ params["W_dt"]) + f32(params["dt_bias"]))  # [T, B, D]
-        a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
-        b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
-        hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
-        y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1) + f32(params["D"]) * f32(xs)  # h_t C_t: elementwise
+        if time_scan == "chunked":
+            y = selective_scan_chunked(delta, f32(xs), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
+                                       self.chunk_size, unroll)
+        else:
+            a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
+            b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
+            hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
+            y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise
+        y = y + f32(params["D"]) * f32(xs)
         return (y.astype(u.dtype) * jax.nn.silu(z)) @ params["W_out"]
 
     def state_floats(self, seq_len):
         return self.inner * self.state_size  # h: [D, N] (the conv's last K-1 inputs are not counted)
 
     def mixing_flops(self, seq_len, time_scan):
-        # x' W_x, d W_dt and the output map; the conv, the scan and h_t C_t are elementwise work (not counted).
+        # x' W_x, d W_dt and the output map; the conv, the scan and h_t C_t are elementwise work (not counted),
+        # so the chunked form's backward, which reruns only the scan, recomputes no matmul.
         d, n, r = self.inner, self.state_size, self.rank
         return seq_len * (2 * d * (r + 2 * n) + 2 * r * d + 2 * d * self.hidden_dim)  # per token, T per example
