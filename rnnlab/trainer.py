@@ -176,9 +176,8 @@ def _fastest_devices(setup: _Setup, recorded: int | None) -> tuple[list, str]:
     step_flops = flops.train_step_flops(config.model, task.input_dim, task.output_dim,
                                         config.batch_size * task.total_len, task.total_len, task.token_inputs)
     if not cpu.device_count_needs_measuring(step_flops, task.total_len):
-        return devices[:1], (f" (device.num_devices=null: 1, untimed: {step_flops / task.total_len / 1e6:.2g} "
-                             f"MFLOP a time step, below the {cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP / 1e6:g} "
-                             f"where more devices can gain)")
+        return devices[:1], (f" (untimed: {step_flops / task.total_len / 1e6:.2g} MFLOP a time step"
+                              f" < {cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP / 1e6:g})")
 
     def seconds_per_step(n: int) -> float:
         dp = parallel.DataParallel(devices[:n], config.device.strategy)
