@@ -28,7 +28,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
@@ -279,8 +279,15 @@ def main(cfg: DictConfig) -> float:
     return results["eval_loss"]
 
 
-def hydra_error_line(e: Exception) -> str:
-    """Hydra's multi-line composition errors as one line naming the key and the choices."""
+def hydra_error_line(e: Exception, args: list[str] = ()) -> str:
+    """Hydra's multi-line composition errors as one line naming the key and the choices (for an override
+    its grammar cannot parse, the command line's `args` say which)."""
+    if isinstance(e, OverrideParseException):
+        bad = next((a for a in args if not _parses(a)), None)
+        if bad is not None:
+            key = bad.split("=", 1)[0].lstrip("+~")
+            return (f"key '{key}': cannot parse the override {bad!r} ({str(e).splitlines()[0]}); "
+                    f"quote a value holding '=', spaces or brackets: {key}='...'")
     if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
         group, _, option = e.missing_cfg_file.rpartition("/")
         return f"key '{group}': got {option!r}, allowed: {', '.join(sorted(e.options))}"
@@ -291,6 +298,19 @@ def hydra_error_line(e: Exception) -> str:
     parts = [str(e)] + ([str(e.__cause__)] if e.__cause__ else [])
     lines = [line.strip() for part in parts for line in part.splitlines() if line.strip()]
     return "; ".join(line for line in lines if not line.startswith(("full_key:", "object_type=")))
+
+
+def _parses(arg: str) -> bool:
+    """Whether Hydra's override grammar parses `arg` (a flag like `-m` is not an override, so it does)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if arg.startswith("-"):
+        return True
+    try:
+        OverridesParser.create().parse_overrides([arg])
+    except (HydraException, ValueError):
+        return False
+    return True
 
 
 COMPOSITION_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
@@ -331,7 +351,7 @@ def config_exit(overrides: list[str]) -> tuple[int, str]:
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
             from_omegaconf(compose(config_name="config", overrides=list(overrides)))
     except HydraException as e:
-        return EXIT_BAD_INPUT, hydra_error_line(e)
+        return EXIT_BAD_INPUT, hydra_error_line(e, list(overrides))
     except ConfigError as e:
         return EXIT_BAD_INPUT, str(e)
     except COMPOSITION_ERRORS as e:
@@ -361,7 +381,7 @@ def run_cli() -> None:
         fail(f"sweep {e}; the other jobs ran (`python scripts/summarize.py <sweep dir>` shows each status)",
              e.exit_code)
     except HydraException as e:  # unknown key or config option, malformed override
-        fail(hydra_error_line(e), EXIT_BAD_INPUT)
+        fail(hydra_error_line(e, sys.argv[1:]), EXIT_BAD_INPUT)
     except COMPOSITION_ERRORS as e:  # an override Hydra's own checks let through
         line = composition_error_line(e, sys.argv[1:])
         if line is None:

@@ -173,7 +173,8 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
 # Found by this fuzzer, then fixed (each was exit 1 with a traceback):
 @example(["checkpoint.allow_changes.y=0"])  # OmegaConf's int('y') for a key inside a list
 @example(["model.cell=[]"])  # a TypeError: the list was looked up in the cell registry (a dict) before its type was checked
-@example(["batch_size=${oops}"])  # exit 2, but its line named no key (an interpolation that does not resolve)
+@example(["batch_size=${oops}"])
+@example(["batch_size=model=rnn"])  # exit 2, but Hydra's parse error named no key  # exit 2, but its line named no key (an interpolation that does not resolve)
 def test_fuzz_config_fast(overrides):
     check(overrides)
 
@@ -206,7 +207,7 @@ BOUNDED = tuple(v.split("=")[0] for v in BOUNDED_VALUES)
 
 @pytest.mark.slow
 @settings(max_examples=12, **SETTINGS)
-@given(override_lists())
+@given(overrides=override_lists())  # by name: a positional strategy fills the rightmost argument (the fixture)
 def test_fuzz_train_py_end_to_end(overrides, tmp_path_factory):
     """The same property through `python train.py`: exit 0 or 2, one `rnnlab: error:` line naming a key,
     no traceback on the console, and nothing written outside the run dir."""
