@@ -239,19 +239,7 @@ def test_mamba_forms_agree_values_and_gradients():
     forms = [("autodiff", "sequential"), ("custom_vjp", "sequential"), ("custom_vjp", "associative"),
              ("autodiff", "associative"), ("autodiff", "chunked"), ("custom_vjp", "chunked")]
 
-    @jax.jit  # one program for all four: one compile
-    def values_and_grads(params, x):
-        results = []
-        for recurrence_, time_scan in forms:
-            apply = apply_fn(make_layer("mamba", MAMBA, recurrence=recurrence_, time_scan=time_scan))
-            results.append(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * weights), argnums=(0, 1))(params, x))
-        return results
-
-    (want_loss, want_grads), *others = values_and_grads(params, x)
-    for loss, grads in others:
-        np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
-        for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(want_grads)):
-            assert_close(got, want, tol=2e-5)
+    assert_forms_agree([make_layer("mamba", MAMBA, recurrence=r, time_scan=t) for r, t in forms], params, x, weights)
 
 
 def test_attention_forms_agree_values_and_gradients():
@@ -260,13 +248,19 @@ def test_attention_forms_agree_values_and_gradients():
     params, x = f32(params_of("attention")), f32(inputs())
     weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, ATTENTION["hidden_dim"])), jnp.float32)
 
+    layers = [make_layer("attention", {**ATTENTION, "block_size": block}, time_scan=time_scan)
+              for time_scan, block in [("parallel", 3), ("blockwise", 3), ("blockwise", 2)]]
+    assert_forms_agree(layers, params, x, weights)
+
+
+def assert_forms_agree(layers, params, x, weights):
+    """Every layer's sum(output * weights) and its gradients in the params and x equal the first layer's
+    (the forms run as one jitted program: one compile)."""
+
     @jax.jit
     def values_and_grads(params, x):
-        results = []
-        for time_scan, block in [("parallel", 3), ("blockwise", 3), ("blockwise", 2)]:
-            apply = apply_fn(make_layer("attention", {**ATTENTION, "block_size": block}, time_scan=time_scan))
-            results.append(jax.value_and_grad(lambda p, x: jnp.sum(apply(p, x) * weights), argnums=(0, 1))(params, x))
-        return results
+        return [jax.value_and_grad(lambda p, x, f=apply_fn(layer): jnp.sum(f(p, x) * weights), argnums=(0, 1))(params, x)
+                for layer in layers]
 
     (want_loss, want_grads), *others = values_and_grads(params, x)
     for loss, grads in others:
