@@ -85,6 +85,7 @@ def test_residual_block_matches_numpy(mlp):
 PAPER_BLOCKS = {
     "attention": ("residual", "gelu", 4, True),  # GPT-2, Zoology's TransformerBlock
     "mamba": ("residual", "none", None, None),  # Mamba's blocks: no MLP
+    "mamba2": ("residual", "none", None, None),  # Mamba-2's too (d_intermediate=0)
     "gla": ("residual", "swiglu", 2.667, False),  # flash-linear-attention's models: SwiGLU, 4H x 2/3
     "linear_attention": ("residual", "swiglu", 2.667, False),
     "deltanet": ("residual", "swiglu", 2.667, False),

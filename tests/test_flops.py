@@ -124,7 +124,8 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     state has no recurrent matmul, so its elementwise share is larger (measured 5-12%): 15% there.
     Attention's softmax and rotary embeddings measured 6%: 10% there. Mamba's selective scan is
     elementwise work on an [E*H, N] state per token (measured 23%), and the matrix-state cells'
-    convolution, norms, gates and decays at T=4 (measured 13-24%): 28% there.
+    convolution, norms, gates and decays at T=4 (measured 13-24%): 28% there. Mamba-2's decays and gated norm
+    over its [heads, P, N] state and its [T, B, D + 2N] convolution at T=4 measured 34%: 40% there.
     """
     overrides = ["batch_size=32", "hidden_dim=128", f"num_layers={num_layers}", "data.seq_len=4", *cell_overrides(cell)]
     step, args, config, task = step_and_args(overrides)
@@ -134,7 +135,7 @@ def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     model = analytic(config, task).model
     kind = CELLS[cell]
     low = (0.96 if not issubclass(kind, SequenceCell) else 0.85 if issubclass(kind, LinearCell)
-           else 0.90 if cell == "attention" else 0.72)
+           else 0.90 if cell == "attention" else 0.60 if cell == "mamba2" else 0.72)
     assert low * xla <= model <= 1.005 * xla, f"analytic {model:.4g} vs XLA {xla:.4g} ({model / xla:.3f})"
 
 

@@ -46,7 +46,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.gla_forms import F32, block_checkpoint_scan, from_chunks, mm, pad_time, pow2_ceil, to_chunks
+from rnnlab.cells.gla_forms import (F32, block_checkpoint_scan, from_chunks, mm, pad_time, pow2_ceil, scalar_decays,
+                                    to_chunks)
 
 
 def unit_lower_inverse(lower: jax.Array) -> jax.Array:
@@ -120,16 +121,10 @@ def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     q, k, v = (to_chunks(x, chunk_size) for x in xs[:3])  # [N, B, h, C, d]
     beta = to_chunks(xs[3], chunk_size).astype(F32)  # [N, B, h, C]
 
-    causal = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
-    if gated:
-        g = jnp.cumsum(to_chunks(xs[4], chunk_size).astype(F32), axis=-1)  # [N, B, h, C]
-        diff = g[..., :, None] - g[..., None, :]
-        ratio = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # G_ij = exp(g_i - g_j), j <= i
-        read = jnp.exp(g)[..., None]  # exp(g_i): step i reads the incoming state
-        write = jnp.exp(g[..., -1:] - g)[..., None]  # exp(g_C - g_j): step j writes the outgoing one
-        decay = jnp.exp(g[..., -1])[..., None, None]  # exp(g_C) on the state, [N, B, h, 1, 1]
+    if gated:  # G_ij = exp(g_i - g_j) (j <= i), exp(g_i), exp(g_C - g_j), exp(g_C): [N, B, h, ...]
+        ratio, read, write, decay = scalar_decays(to_chunks(xs[4], chunk_size))
     else:
-        ratio = causal.astype(F32)
+        ratio = jnp.tril(jnp.ones((chunk_size, chunk_size), F32))
         read = write = decay = None
 
     strict = jnp.tril(mm("...id,...jd->...ij", k, k, dtype) * ratio, -1)

@@ -31,7 +31,11 @@ C^2 dk / 2 multiply-adds in log2(C) levels, and no [C, C, dk] tensor.
 Arrays are time-major: q, k, log_alpha: [T, B, h, dk], v: [T, B, h, dv]; outputs [T, B, h, dv].
 Matmuls take operands in the input dtype and accumulate in float32; gates and the state are
 float32. The helpers (`mm`, `pad_time`, `to_chunks`, `from_chunks`, `block_checkpoint_scan`,
-`pow2_ceil`) are shared with `rnnlab.cells.delta_rule_forms`.
+`pow2_ceil`, `scalar_decays`) are shared with `rnnlab.cells.delta_rule_forms`.
+
+With one gate per head instead of one per key dimension (alpha_t a scalar: Mamba-2's SSD, Dao and
+Gu 2024), A_ij = (q_i . k_j) exp(g_i - g_j) is one matmul times a [C, C] matrix of decay ratios,
+every exponent <= 0 (`scalar_decays`, `ssd_chunked`), with no secondary chunking.
 """
 
 from __future__ import annotations
@@ -161,4 +165,45 @@ def gla_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
     init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
     _, states_in = jax.lax.scan(step, init, (k_out, v, decay))  # [N, B, h, dk, dv]
     o = o_intra + mm("nbhck,nbhkv->nbhcv", q_in, states_in, dtype)
+    return from_chunks(o.astype(dtype), length)
+
+
+def scalar_decays(log_alpha: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The decays of a chunk with one gate per head. log_alpha: [..., C] -> with g_i = sum_{s <= i}
+    log_alpha_s: (G [..., C, C], G_ij = exp(g_i - g_j) for j <= i else 0; exp(g_i) [..., C, 1], where
+    step i reads the incoming state; exp(g_C - g_j) [..., C, 1], where step j writes the outgoing one;
+    exp(g_C) [..., 1, 1], the incoming state's decay over the chunk). Every exponent is <= 0."""
+    chunk = log_alpha.shape[-1]
+    causal = jnp.tril(jnp.ones((chunk, chunk), bool))
+    g = jnp.cumsum(log_alpha.astype(F32), axis=-1)
+    diff = g[..., :, None] - g[..., None, :]
+    ratio = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+    return ratio, jnp.exp(g)[..., None], jnp.exp(g[..., -1:] - g)[..., None], jnp.exp(g[..., -1])[..., None, None]
+
+
+def ssd_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array, chunk_size: int = 64) -> jax.Array:
+    """GLA with one gate per head (Mamba-2's SSD, chunkwise): S_t = alpha_t S_{t-1} + k_t^T v_t, o_t = q_t S_t.
+
+    q, k: [T, B, g, dk] with g = 1 (shared by every head: Mamba-2's C and B, one group) or g = h;
+    v: [T, B, h, dv]; log_alpha: [T, B, h] -> o: [T, B, h, dv]. Per chunk, q k^T is computed once per
+    group; a `lax.scan` over chunks carries the state, and autodiff keeps one state per chunk."""
+    length, batch, heads, dv = v.shape
+    dk = q.shape[-1]
+    dtype = jnp.result_type(q, k, v)
+    padded = -(-length // chunk_size) * chunk_size
+    # Padded steps (at the end): q = k = v = 0 and alpha = 1; they touch no real output.
+    q, k, v, log_alpha = pad_time([q, k, v, log_alpha], padded)
+    q, k, v, log_alpha = (to_chunks(x, chunk_size) for x in (q, k, v, log_alpha))  # [N, B, g or h, C, (d)]
+    ratio, read, write, decay = scalar_decays(log_alpha)
+    scores = mm("...id,...jd->...ij", q, k, dtype) * ratio  # [N, B, h, C, C]
+    o_intra = mm("...ij,...jv->...iv", scores, v, dtype)
+
+    def step(state, x):
+        k_c, v_c, decay_c = x
+        return decay_c * state + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), state
+
+    init = jnp.zeros((batch, heads, dk, dv), F32)
+    k_write = jnp.broadcast_to(k * write, (*write.shape[:-1], dk))  # exp(g_C - g_j) k_j: [N, B, h, C, dk]
+    _, states_in = jax.lax.scan(step, init, (k_write, v, decay))  # [N, B, h, dk, dv]
+    o = o_intra + mm("nbhck,nbhkv->nbhcv", jnp.broadcast_to(q * read, k_write.shape), states_in, dtype)
     return from_chunks(o.astype(dtype), length)

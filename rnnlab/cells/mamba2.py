@@ -1,0 +1,143 @@
+"""Mamba-2's SSD layer (Dao and Gu 2024, "Transformers are SSMs: Generalized Models and Efficient
+Algorithms Through Structured State Space Duality", Sec. 7 and Listing 1; the reference's
+`mamba_ssm/modules/mamba2.py`). Inner width D = E*H (`model.expand` = E), heads of P channels
+(`model.head_dim`; heads = D / P), state size N (`model.state_size`), one group (B and C shared by
+every head), conv width K (`model.conv_size`):
+
+    [z_t, x_t, B_t, C_t, dt_t] = u_t = x_in_t W_xh     (z, x: [D]; B, C: [N]; dt: [heads]; no bias)
+    [x'_t, B'_t, C'_t] = silu(conv([x, B, C])_t)        (depthwise, causal, with a bias, as Mamba's)
+    Delta_t = softplus(dt_t + dt_bias)                  ([heads])
+    h_t = exp(Delta_t A) h_{t-1} + (Delta_t x'_t) B'_t^T      (per head: h: [P, N]; A = -exp(A_log), a
+                                                               scalar per head: the SSD restriction)
+    y_t = h_t C'_t + D_skip x'_t                        (D_skip: one per head)
+    out_t = RMSNorm(y_t * silu(z_t)) W_out              (the gated norm after the gate, eps 1e-5; no bias)
+
+In the matrix-state cells' row convention (`rnnlab.cells.gla_forms`), per head S = h^T: [N, P] is GLA
+with one gate per head: q = C', k = B', v = Delta x', log alpha = Delta A. Forms (`model.time_scan`):
+`sequential` (one step at a time, `gla_forms.gla_recurrent`, autodiff keeps one state per chunk) and
+`chunked` (SSD's chunkwise matmul form, `gla_forms.ssd_chunked`); both run in float32 whatever
+`model.dtype`, as the reference's scan does.
+
+Initialisation as the reference's: A = U[1, 16] per head through A_log; D_skip = 1; softplus(dt_bias) =
+dt, log-uniform in [1e-3, 1e-1]; the conv (weight and bias), in_proj and out_proj as PyTorch's Conv1d
+and Linear default (`model.init=default`); the norm's weight 1. Mamba-2's model stacks residual blocks
+x + Mamba2(RMSNorm(x)) with no MLP (the reference's `d_intermediate=0`; conf/model/mamba2.yaml). Left out:
+several groups (`ngroups`), `dt_limit` (the reference's default, (0, inf), clips nothing) and the
+learnable initial state (off by default there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from rnnlab.cells.deltanet import _a_log_init
+from rnnlab.cells.gla_forms import gla_recurrent, ssd_chunked
+from rnnlab.cells.mamba import _dt_bias_init, _fan_in_uniform, causal_conv
+from rnnlab.cells.matrix import padded_length
+from rnnlab.cells.registry import SequenceCell, register_cell
+
+NORM_EPS = 1e-5  # the reference's gated RMSNorm
+
+
+@register_cell
+@dataclasses.dataclass(frozen=True)
+class Mamba2(SequenceCell):
+    state_size: int = 128  # N: state per channel (the reference's d_state)
+    head_dim: int = 64  # P: channels per head; an inner width below it is one head
+    conv_size: int = 4  # K: width of the short causal depthwise convolution over x, B and C; 0 = none
+    expand: int = 2  # E: inner width E * hidden_dim
+    chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
+
+    name = "mamba2"
+    time_scans = ("sequential", "chunked")
+    input_bias = False  # the reference's in_proj has no bias
+
+    @property
+    def inner(self) -> int:
+        return self.expand * self.hidden_dim
+
+    @property
+    def head_width(self) -> int:
+        return min(self.head_dim, self.inner)
+
+    @property
+    def num_heads(self) -> int:
+        return self.inner // self.head_width
+
+    @property
+    def input_width(self) -> int:
+        return 2 * self.inner + 2 * self.state_size + self.num_heads  # z, x, B, C, dt
+
+    def input_init(self):
+        """in_proj as the reference's nn.Linear (`model.init=default`), else the named scheme's."""
+        if self.init != "default":
+            return super().input_init()
+        return lambda key, shape, dtype=jnp.float32: _fan_in_uniform(shape[0])(key, shape, dtype)
+
+    def param_specs(self):
+        conv_width = self.inner + 2 * self.state_size
+        specs = {}
+        if self.conv_size:
+            specs["conv_w"] = ((self.conv_size, conv_width), _fan_in_uniform(self.conv_size))
+            specs["conv_b"] = ((conv_width,), _fan_in_uniform(self.conv_size))
+        return {**specs,
+                "dt_bias": ((self.num_heads,), _dt_bias_init),
+                "A_log": ((self.num_heads,), _a_log_init),  # A ~ U[1, 16]
+                "D": ((self.num_heads,), jax.nn.initializers.ones),
+                "norm": ((self.inner,), jax.nn.initializers.ones),
+                "W_out": ((self.inner, self.hidden_dim), _fan_in_uniform(self.inner))}
+
+    def option_problem(self):
+        for key, low in (("state_size", 1), ("head_dim", 1), ("conv_size", 0), ("expand", 1), ("chunk_size", 1)):
+            if getattr(self, key) < low:
+                return f"key 'model.{key}': got {getattr(self, key)}, must be >= {low}"
+        if self.inner % self.head_width:
+            return (f"key 'model.head_dim': got {self.head_dim}, must divide the inner width expand * hidden_dim "
+                    f"({self.inner}) or exceed it")
+        return None
+
+    def mix(self, params, u, x, time_scan, unroll, recurrence):
+        """u: [T, B, 2D + 2N + heads] -> [T, B, H]."""
+        d, n, heads = self.inner, self.state_size, self.num_heads
+        z, xbc, dt = jnp.split(u, [d, 2 * d + 2 * n], axis=-1)
+        if self.conv_size:
+            xbc = causal_conv(xbc, params["conv_w"], params["conv_b"])
+        xs, b_in, c_out = jnp.split(jax.nn.silu(xbc).astype(jnp.float32), [d, d + n], axis=-1)
+        delta = jax.nn.softplus(dt.astype(jnp.float32) + params["dt_bias"])  # [T, B, heads]
+        log_alpha = delta * -jnp.exp(params["A_log"])
+        xs = xs.reshape(*xs.shape[:2], heads, self.head_width)  # [T, B, heads, P]
+        v = delta[..., None] * xs
+        q, k = c_out[:, :, None, :], b_in[:, :, None, :]  # one group: [T, B, 1, N]
+        if time_scan == "chunked":
+            y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]))
+        else:
+            shape = (*v.shape[:3], n)
+            y = gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v,
+                              jnp.broadcast_to(log_alpha[..., None], shape), self.chunk_size)
+        y = (y + params["D"][:, None] * xs).reshape(*u.shape[:2], d)
+        y = y * jax.nn.silu(z.astype(jnp.float32))
+        y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * params["norm"]
+        return y.astype(u.dtype) @ params["W_out"]
+
+    def state_floats(self, seq_len):
+        return self.inner * self.state_size  # h: [heads, P, N] (the conv's last K-1 inputs are not counted)
+
+    def mixing_flops(self, seq_len, time_scan):
+        d, n, p, heads = self.inner, self.state_size, self.head_width, self.num_heads
+        out = 2 * d * self.hidden_dim * seq_len
+        if time_scan == "sequential":  # k_t^T v_t and q_t S_t per head and step, over whole blocks
+            return out + heads * padded_length(seq_len, self.chunk_size) * 4 * n * p
+        c = min(self.chunk_size, seq_len)
+        chunks = padded_length(seq_len, c) // c
+        per_chunk = 2 * c * c * n + heads * (2 * c * c * p + 4 * c * n * p)  # C B^T once; scores x, B^T x, C S
+        return out + chunks * per_chunk
+
+    def mixing_recompute_flops(self, seq_len, time_scan):
+        # the sequential form's backward reruns each block's state updates k_t^T v_t
+        if time_scan != "sequential":
+            return 0
+        return self.num_heads * padded_length(seq_len, self.chunk_size) * 2 * self.state_size * self.head_width
+
