@@ -19,7 +19,7 @@ or each of `--recurrences`. A step that would not fit in free memory is compiled
 row says so; `--memory-only` compiles every row and runs none (the memory column alone, for lengths
 whose old forms would not fit). `--mixer` also times a whole-sequence cell's mixing alone (`jax.grad`
 of its `mix` in its parameters and input term, no layer around it); `--set KEY=VALUE` overrides every
-row (`--set model.chunk_size=32`). `--as-configured` runs each cell as its model config has it instead:
+row that has the key (`--set model.chunk_size=32`: the cells with chunks). `--as-configured` runs each cell as its model config has it instead:
 its default form and its block (the memory table of docs/benchmarks.md). `--train-rss` adds the peak
 resident memory of `python train.py` running two steps of the row's config (its own process, so the
 number is what a user's run holds: the compile, the task, the checkpointer and the step; read with
@@ -61,13 +61,21 @@ def variants(cell: str, scans: list[str], recurrences: list[str], as_configured:
     return [(s, r) for s in forms for r in (recurrences or [None])]
 
 
+def overrides_for(cell: str, overrides: list[str]) -> list[str]:
+    """`--set` overrides that apply to `cell`: a cell option (`model.chunk_size`) only for the cells that have it."""
+    own = get_cell(cell).__dataclass_fields__
+    options = {f for name in cell_names() for f in get_cell(name).__dataclass_fields__}
+    key = lambda o: o.split("=", 1)[0].lstrip("+").removeprefix("model.")  # noqa: E731
+    return [o for o in overrides if not o.lstrip("+").startswith("model.") or key(o) in own or key(o) not in options]
+
+
 def train_overrides(cell: str, time_scan: str, recurrence: str | None, args, t: int) -> list[str]:
     """The row as `python train.py` overrides (two steps, no eval or checkpoint)."""
     return [f"model={cell}", f"model.time_scan={time_scan}", f"hidden_dim={args.hidden}", f"num_layers={args.layers}",
             f"batch_size={args.batch}", "data=adding", f"data.seq_len={t}", "device.num_devices=1", "steps=2",
             "log_every=1", "eval_every=1000000", "checkpoint.enabled=false",
             *([] if args.as_configured else ["model.block=plain"]),
-            *([f"model.recurrence={recurrence}"] if recurrence else []), *args.set]
+            *([f"model.recurrence={recurrence}"] if recurrence else []), *overrides_for(cell, args.set)]
 
 
 def train_peak_rss_mib(overrides: list[str]) -> tuple[float, int]:
@@ -120,7 +128,7 @@ def step_bytes(compiled) -> float:
 
 
 def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
-    extra = [f"model.time_scan={time_scan}", "device.num_devices=1", *args.set] + (
+    extra = [f"model.time_scan={time_scan}", "device.num_devices=1", *overrides_for(cell, args.set)] + (
         [] if args.as_configured else ["model.block=plain"])
     extra += [f"model.recurrence={recurrence}"] if recurrence else []
     config = compose(cell, args.hidden, args.batch, t, args.layers, extra)

@@ -139,12 +139,12 @@ def test_bench_scans_times_every_form_of_a_cell(tmp_path, monkeypatch):
     out = tmp_path / "scans.json"
     result = load_script("bench_scans").main(["--cells", "gla", "mingru", "--seq-lens", "8", "--hidden", "8",
                                               "--batch", "2", "--repeats", "1", "--min-seconds", "0.01",
-                                              "--json", str(out)])
+                                              "--mixer", "--set", "model.chunk_size=4", "--json", str(out)])
     forms = [(row["cell"], row["time_scan"]) for row in result["rows"]]
     assert forms == [("gla", "sequential"), ("gla", "associative"), ("gla", "chunked"),
                      ("mingru", "sequential"), ("mingru", "associative")]
     assert all(row["tokens_per_sec"] > 0 and row["memory_mib"] > 0 and row["compile_seconds"] > 0
-               for row in result["rows"])
+               and row["mixer_ms"] > 0 for row in result["rows"])
     assert json.loads(out.read_text())["rows"] == result["rows"]
 
 
