@@ -385,4 +385,15 @@ def mfu(flops_per_sec: float | None, peak: float | None, devices: list) -> float
         return None
     chips = 1 if devices[0].platform == "cpu" else len(devices)
     value = flops_per_sec / (peak * chips)
+    if math.isfinite(value) and value > MFU_ABOVE_PEAK:
+        if peak not in _warned_peaks:  # once per peak: a peak the run outpaces was measured low (a busy core)
+            _warned_peaks.add(peak)
+            log.warning("the model's %.3g FLOP/s exceed %.1fx the cached peak of %.3g FLOP/s (%s): that peak was "
+                        "measured low, on a busy core; MFU is not reported. Measure it again: python "
+                        "scripts/peak_flops.py", flops_per_sec, MFU_ABOVE_PEAK, peak * chips, cache_path())
+        return None
     return value if math.isfinite(value) and value > 0 else None
+
+
+MFU_ABOVE_PEAK = 1.05  # an MFU above this is not a measurement of the model but of a wrong peak
+_warned_peaks: set[float] = set()

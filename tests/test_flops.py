@@ -208,6 +208,16 @@ def test_mfu():
     assert flops.mfu(None, 1e10, cpu) is None and flops.mfu(5e9, None, cpu) is None
 
 
+def test_an_mfu_above_the_peak_is_not_reported_but_named(caplog):
+    """A cached peak measured on a busy core (16 GFLOP/s where the core reaches 80) gave MFUs of 278%: the
+    run outpaces the peak, so the peak is wrong, and the MFU is left out with one warning naming the fix."""
+    cpu = jax.devices("cpu")
+    with caplog.at_level("WARNING", logger="rnnlab.flops"):
+        assert flops.mfu(4.5e10, 1.6e10, cpu) is None and flops.mfu(4.6e10, 1.6e10, cpu) is None
+        assert flops.mfu(1.0e10, 1.0e10, cpu) == 1.0  # at the peak: reported
+    assert len(caplog.records) == 1 and "scripts/peak_flops.py" in caplog.records[0].getMessage()
+
+
 def test_training_reports_mfu_against_the_cached_peak(tmp_path, monkeypatch, tiny):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
