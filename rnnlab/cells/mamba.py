@@ -82,24 +82,29 @@ def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
     return sum(padded[k:k + length] * w[k] for k in range(width)) + bias
 
 
-def selective_scan_chunked(delta: jax.Array, xs: jax.Array, b_in: jax.Array, c_out: jax.Array, a: jax.Array,
-                           chunk_size: int, unroll: int = 1) -> jax.Array:
-    """sum_n h_t[d, n] C_t[n] with h_t = exp(Delta_t A) * h_{t-1} + (Delta_t x'_t) B_t, from h = 0.
+def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax.Array, c_out: jax.Array,
+                           a: jax.Array, d_skip: jax.Array, chunk_size: int, unroll: int = 1) -> jax.Array:
+    """(h_t C_t + D x'_t) * silu(z_t), with Delta_t = softplus(dt_t) and h_t = exp(Delta_t A) * h_{t-1} +
+    (Delta_t x'_t) B_t, from h = 0: the whole layer between its two maps, one step at a time.
 
-    delta, xs: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A, negative) -> f32[T, B, D].
-    Chunks of `chunk_size` steps are checkpointed, so autodiff stores one h: [B, D, N] per chunk."""
-    length = delta.shape[0]
+    dt (Delta before its softplus, bias added), xs, z: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A,
+    negative); d_skip: f32[D] -> f32[T, B, D]. Chunks of `chunk_size` steps are checkpointed: autodiff stores
+    one h: [B, D, N] per chunk and the inputs, and reruns a chunk's steps (softplus, gate and all) in its
+    backward, so no per-step intermediate of the layer ([T, B, D] each) is stored."""
+    length = dt.shape[0]
     block = max(1, min(chunk_size, length))
     padded = -(-length // block) * block
-    # Padded steps: Delta = 0 gives exp(0 A) = 1 and no input, so h passes through them unchanged.
-    inputs = pad_time([delta, delta * xs, b_in, c_out], padded)
+    # Padded steps come after the last real one: no real output reads what they do to h.
+    inputs = pad_time([dt, xs, z, b_in, c_out], padded)
 
     def step(h, inp):
-        d_t, dx_t, b_t, c_t = inp
-        h = jnp.exp(d_t[..., None] * a) * h + dx_t[..., None] * b_t[:, None, :]
-        return h, jnp.sum(h * c_t[:, None, :], axis=-1)  # elementwise, as the other forms' h_t C_t
+        dt_t, x_t, z_t, b_t, c_t = inp
+        delta = jax.nn.softplus(dt_t)
+        h = jnp.exp(delta[..., None] * a) * h + (delta * x_t)[..., None] * b_t[:, None, :]
+        y = jnp.sum(h * c_t[:, None, :], axis=-1) + d_skip * x_t  # elementwise, as the other forms' h_t C_t
+        return h, y * jax.nn.silu(z_t)
 
-    init = jnp.zeros((*delta.shape[1:], a.shape[-1]), delta.dtype)
+    init = jnp.zeros((*dt.shape[1:], a.shape[-1]), dt.dtype)
     _, ys = block_checkpoint_scan(step, init, inputs, block, unroll)
     return ys[:length]
 
@@ -165,15 +170,16 @@ class Mamba(SequenceCell):
         xs = jax.nn.silu(xs)
         d_low, b_in, c_out = jnp.split(xs @ params["W_x"], [self.rank, self.rank + self.state_size], axis=-1)
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
-        delta = jax.nn.softplus(f32(d_low @ params["W_dt"]) + f32(params["dt_bias"]))  # [T, B, D]
+        dt = f32(d_low @ params["W_dt"]) + f32(params["dt_bias"])  # [T, B, D], Delta before its softplus
         if time_scan == "chunked":
-            y = selective_scan_chunked(delta, f32(xs), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
-                                       self.chunk_size, unroll)
-        else:
-            a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
-            b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
-            hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
-            y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise
+            y = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
+                                       f32(params["D"]), self.chunk_size, unroll)
+            return y.astype(u.dtype) @ params["W_out"]
+        delta = jax.nn.softplus(dt)
+        a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
+        b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
+        hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
+        y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise
         y = y + f32(params["D"]) * f32(xs)
         return (y.astype(u.dtype) * jax.nn.silu(z)) @ params["W_out"]
 
