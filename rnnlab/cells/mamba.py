@@ -165,9 +165,10 @@ class Mamba(SequenceCell):
         from rnnlab.recurrence import linear_recurrence, scan_linear  # (it imports the registry's types)
 
         xs, z = jnp.split(u, 2, axis=-1)
-        if self.conv_size:
-            xs = causal_conv(xs, params["conv_w"], params["conv_b"])
-        xs = jax.nn.silu(xs)
+        if self.conv_size:  # silu(conv(x)), rerun in the backward rather than storing the conv's [T, B, D] buffers
+            xs = jax.checkpoint(lambda x, w, b: jax.nn.silu(causal_conv(x, w, b)))(xs, params["conv_w"], params["conv_b"])
+        else:
+            xs = jax.nn.silu(xs)
         d_low, b_in, c_out = jnp.split(xs @ params["W_x"], [self.rank, self.rank + self.state_size], axis=-1)
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
         dt = f32(d_low @ params["W_dt"]) + f32(params["dt_bias"])  # [T, B, D], Delta before its softplus
