@@ -88,16 +88,20 @@ def setup_torch(torch, threads: int) -> None:
 def compose(cell: str, h: int, b: int, t: int, layers: int, extra: list[str] = ()) -> cfg.Config:
     """A row's config as `python train.py model=<cell>` composes it (the cell's own model config, so
     the LSTM's `recurrence=auto`), with the benchmark's task and optimizer."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    overrides = [
+    return compose_overrides([
         f"model={cell}", f"hidden_dim={h}", f"batch_size={b}", f"num_layers={layers}", "data=adding",
         f"data.seq_len={t}", "optimizer=adam", f"optimizer.lr={LR}", "optimizer.clip_norm=0",
         "optimizer.schedule=constant", "optimizer.warmup_steps=0", "device.num_devices=1", *extra,
-    ]
+    ])
+
+
+def compose_overrides(overrides: list[str]) -> cfg.Config:
+    """conf/ composed by Hydra with `overrides`, as `python train.py OVERRIDES` would, validated."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=overrides))
+        return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
 def replicated_state(config: cfg.Config, task: tasks.Task, devices: list) -> tuple:

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchmark  # noqa: E402  (this directory: its Hydra composition of conf/)
 
 
 class MambaMixer(nn.Module):
@@ -107,26 +108,6 @@ class MambaModel(nn.Module):
         return self.head(self.norm_f(x))
 
 
-def lr_at(update: int, peak: float, warmup: int, total: int, end_ratio: float) -> float:
-    """The lr of the `update`-th update (1-based): rnnlab's schedule (linear warm-up, then cosine to end_ratio * peak)."""
-    if update < warmup:
-        return peak * update / warmup
-    span = max(total - warmup, 1)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(update - warmup, span) / span))
-    return peak * ((1 - end_ratio) * cosine + end_ratio)
-
-
-def compose(overrides):
-    """The experiment's config from conf/, composed by Hydra and validated by rnnlab."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from rnnlab.config import from_omegaconf
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return from_omegaconf(hydra_compose(config_name="config", overrides=list(overrides)))
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=64, help="hidden_dim (the model width)")
@@ -146,17 +127,18 @@ def main(argv=None) -> dict:
 
     import jax
 
-    from rnnlab import tasks
+    from rnnlab import steps, tasks
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    config = compose(["experiment=zoo_mqar", f"hidden_dim={args.width}", f"data.num_pairs={args.pairs}",
+    config = benchmark.compose_overrides(["experiment=zoo_mqar", f"hidden_dim={args.width}", f"data.num_pairs={args.pairs}",
                       f"optimizer.lr={args.lr}", f"steps={args.steps}", f"seed={args.seed}"])
     task, opt = tasks.make_task(config.data), config.optimizer
     model = MambaModel(task.input_dim + 1, task.output_dim, config.hidden_dim, config.num_layers,
                        rescale=not args.no_rescale, embed_std=args.embed_std, head_bias=args.head_bias)
     adamw = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2), eps=1e-8,
                               weight_decay=opt.weight_decay)
+    _, schedule = steps.make_optimizer(opt, config.steps)  # rnnlab's lr of update s: warm-up, then cosine
     train_stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     eval_stream = tasks.stream_key(config.seed, tasks.EVAL_STREAM)
     sample = jax.jit(lambda stream, step: tasks.sample_batch(task, stream, step, 0, config.batch_size))
@@ -174,7 +156,7 @@ def main(argv=None) -> dict:
     curve, start = {}, time.perf_counter()
     for step in range(1, config.steps + 1):
         for group in adamw.param_groups:
-            group["lr"] = lr_at(step, opt.lr, opt.warmup_steps, config.steps, opt.end_lr_ratio)
+            group["lr"] = float(schedule(step))
         loss, _ = loss_and_accuracy(*batch(train_stream, step - 1))  # rnnlab's update s reads batch s - 1
         adamw.zero_grad()
         loss.backward()
