@@ -9,7 +9,8 @@ cosine to 0.1 lr, clipping 1.0: read from conf/ by Hydra), drawn from rnnlab's s
 the batches a single-device `python train.py experiment=zoo_mqar` job sees. Nothing of rnnlab's model
 is used: the model is MambaLMHeadModel's shape (embedding N(0, 0.02), blocks x + Mamba(RMSNorm(x)),
 final RMSNorm, linear head without bias; out_proj rescaled by 1/sqrt(layers) as `_init_weights` does;
---embed-std, --no-rescale and --head-bias change those three), and Mamba's own init (Delta's bias the inverse softplus of
+--embed-std, --no-rescale and --head-bias change those three; --from-rnnlab starts from the very parameters
+`train.py` draws for the same config, to compare the two builds step by step), and Mamba's own init (Delta's bias the inverse softplus of
 dt log-uniform in [1e-3, 0.1], A = -(1..N), D = 1, PyTorch's Linear and Conv1d defaults). The scan is the
 reference's `selective_scan_ref`, one step at a time.
 """
@@ -84,17 +85,18 @@ class MambaModel(nn.Module):
     """MambaLMHeadModel's shape: embedding, blocks x + Mamba(RMSNorm(x)) (no MLP), final RMSNorm, linear head."""
 
     def __init__(self, vocab: int, outputs: int, width: int, depth: int, rescale: bool = True,
-                 embed_std: float = 0.02, head_bias: bool = False):
+                 embed_std: float = 0.02, head_bias: bool = False, embed_bias: bool = False, norm_eps: float = 1e-5):
         super().__init__()
         self.embedding = nn.Embedding(vocab, width)
         nn.init.normal_(self.embedding.weight, std=embed_std)
-        self.norms = nn.ModuleList(nn.RMSNorm(width, eps=1e-5) for _ in range(depth))
+        self.embed_bias = nn.Parameter(torch.zeros(width)) if embed_bias else None  # rnnlab's input projection has one
+        self.norms = nn.ModuleList(nn.RMSNorm(width, eps=norm_eps) for _ in range(depth))
         self.mixers = nn.ModuleList(MambaMixer(width) for _ in range(depth))
         if rescale:  # `_init_weights(rescale_prenorm_residual=True)`, one residual per block
             with torch.no_grad():
                 for mixer in self.mixers:
                     mixer.out_proj.weight /= math.sqrt(depth)
-        self.norm_f = nn.RMSNorm(width, eps=1e-5)
+        self.norm_f = nn.RMSNorm(width, eps=norm_eps)
         self.head = nn.Linear(width, outputs, bias=head_bias)
         if head_bias:  # as rnnlab's readout, Flax's Dense: lecun_normal kernel, zero bias
             nn.init.trunc_normal_(self.head.weight, std=width ** -0.5 / 0.87962566, a=-2 * width ** -0.5 / 0.87962566,
@@ -103,9 +105,66 @@ class MambaModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embedding(ids)
+        if self.embed_bias is not None:
+            x = x + self.embed_bias
         for norm, mixer in zip(self.norms, self.mixers):
             x = x + mixer(norm(x))
         return self.head(self.norm_f(x))
+
+
+def rnnlab_initial_params(config, task) -> dict:
+    """The parameters `train.py` starts `config` from (its model, its key): a nested dict of arrays."""
+    import jax
+
+    from rnnlab import models, steps
+
+    net = models.build_model(config.model, task.output_dim, "cpu", task.input_dim)
+    key = jax.random.fold_in(jax.random.key(config.seed), steps.PARAMS_STREAM)
+    return jax.jit(net.init)(key, task.example_inputs(config.batch_size))["params"]
+
+
+def load_rnnlab_params(model: MambaModel, params: dict) -> None:
+    """Copy rnnlab's Mamba parameters into `model` (built with embed_bias, head_bias and rnnlab's norm eps):
+    rnnlab's [in, out] kernels become PyTorch's [out, in] weights; its padding id's embedding row is zero."""
+    def t(a):
+        return torch.from_numpy(np.array(a, np.float32))
+
+    import jax
+
+    stack = params["stack"]
+    layers = [stack["layer_0"]] + [jax.tree_util.tree_map(lambda v: v[i], stack["layers"])  # noqa: B023
+                                   for i in range(len(model.mixers) - 1)]
+    with torch.no_grad():
+        kernel = t(params["input_proj"]["kernel"])
+        model.embedding.weight.zero_()
+        model.embedding.weight[: kernel.shape[0]] = kernel
+        model.embed_bias.copy_(t(params["input_proj"]["bias"]))
+        for norm, mixer, layer in zip(model.norms, model.mixers, layers):
+            cell = layer["recurrence"]["cell"]
+            norm.weight.copy_(t(layer["norm_0"]["scale"]))
+            mixer.in_proj.weight.copy_(t(layer["recurrence"]["W_xh"]).T)
+            mixer.conv1d.weight.copy_(t(cell["conv_w"]).T[:, None, :])  # rnnlab's w_k multiplies x_{t-K+1+k}
+            mixer.conv1d.bias.copy_(t(cell["conv_b"]))
+            mixer.x_proj.weight.copy_(t(cell["W_x"]).T)
+            mixer.dt_proj.weight.copy_(t(cell["W_dt"]).T)
+            mixer.dt_proj.bias.copy_(t(cell["dt_bias"]))
+            mixer.A_log.copy_(t(cell["A_log"]))
+            mixer.D.copy_(t(cell["D"]))
+            mixer.out_proj.weight.copy_(t(cell["W_out"]).T)
+        model.norm_f.weight.copy_(t(params["final_norm"]["scale"]))
+        model.head.weight.copy_(t(params["readout"]["kernel"]).T)
+        model.head.bias.copy_(t(params["readout"]["bias"]))
+
+
+def build_twin(config, task, args) -> MambaModel:
+    """The twin for `config`: the reference's init as the flags adjust it, or rnnlab's initial parameters."""
+    if args.from_rnnlab:  # rnnlab's outer model: embedding bias, head bias, Flax's RMSNorm eps
+        model = MambaModel(task.input_dim + 1, task.output_dim, config.hidden_dim, config.num_layers, rescale=False,
+                           head_bias=True, embed_bias=True, norm_eps=1e-6)
+        load_rnnlab_params(model, rnnlab_initial_params(config, task))
+        return model
+    return MambaModel(task.input_dim + 1, task.output_dim, config.hidden_dim, config.num_layers,
+                      rescale=not args.no_rescale, embed_std=args.embed_std, head_bias=args.head_bias)
 
 
 def main(argv=None) -> dict:
@@ -122,6 +181,9 @@ def main(argv=None) -> dict:
                         help="the embedding's init std (the reference's 0.02; rnnlab's token embedding: 1/sqrt(symbols))")
     parser.add_argument("--head-bias", action="store_true",
                         help="a head with a bias, initialised as rnnlab's readout (Flax's Dense) rather than PyTorch's Linear")
+    parser.add_argument("--from-rnnlab", action="store_true",
+                        help="start from the parameters train.py draws for this config (and rnnlab's embedding bias, "
+                             "head bias and norm eps), instead of the twin's own init")
     parser.add_argument("--json", help="write the curve here")
     args = parser.parse_args(argv)
 
@@ -131,11 +193,10 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    config = benchmark.compose_overrides(["experiment=zoo_mqar", f"hidden_dim={args.width}", f"data.num_pairs={args.pairs}",
+    config = benchmark.compose_overrides(["experiment=zoo_mqar", "model=mamba", f"hidden_dim={args.width}", f"data.num_pairs={args.pairs}",
                       f"optimizer.lr={args.lr}", f"steps={args.steps}", f"seed={args.seed}"])
     task, opt = tasks.make_task(config.data), config.optimizer
-    model = MambaModel(task.input_dim + 1, task.output_dim, config.hidden_dim, config.num_layers,
-                       rescale=not args.no_rescale, embed_std=args.embed_std, head_bias=args.head_bias)
+    model = build_twin(config, task, args)
     adamw = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=(opt.b1, opt.b2), eps=1e-8,
                               weight_decay=opt.weight_decay)
     _, schedule = steps.make_optimizer(opt, config.steps)  # rnnlab's lr of update s: warm-up, then cosine
@@ -171,7 +232,7 @@ def main(argv=None) -> dict:
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     result = {"width": args.width, "pairs": args.pairs, "lr": args.lr, "steps": config.steps, "seed": args.seed,
               "rescale": not args.no_rescale, "embed_std": args.embed_std, "head_bias": args.head_bias,
-              "eval_accuracy": curve}
+              "from_rnnlab": args.from_rnnlab, "eval_accuracy": curve}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

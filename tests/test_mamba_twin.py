@@ -61,3 +61,72 @@ def test_twin_trains_on_rnnlabs_batches(twin, tmp_path):
     result = twin.main(["--width", "8", "--steps", "3", "--eval-every", "2", "--json", str(tmp_path / "t.json")])
     assert sorted(result["eval_accuracy"]) == [2, 3] and (tmp_path / "t.json").exists()
     assert all(0 <= a <= 1 for a in result["eval_accuracy"].values())
+
+
+def _twin_as_rnnlab(model, grads: bool = False) -> dict:
+    """The twin's parameters (or their gradients) in rnnlab's layout: [in, out] kernels, layers 1.. stacked."""
+    def a(p):
+        return (p.grad if grads else p).detach().numpy().astype(np.float64)
+
+    layers = [{"norm_0": {"scale": a(norm.weight)}, "recurrence": {"W_xh": a(mixer.in_proj.weight).T, "cell": {
+        "conv_w": a(mixer.conv1d.weight)[:, 0, :].T, "conv_b": a(mixer.conv1d.bias), "W_x": a(mixer.x_proj.weight).T,
+        "W_dt": a(mixer.dt_proj.weight).T, "dt_bias": a(mixer.dt_proj.bias), "A_log": a(mixer.A_log), "D": a(mixer.D),
+        "W_out": a(mixer.out_proj.weight).T}}} for norm, mixer in zip(model.norms, model.mixers)]
+    rows = model.embedding.num_embeddings - 1  # rnnlab has no row for the padding id
+    import jax
+    return {"input_proj": {"kernel": a(model.embedding.weight)[:rows], "bias": a(model.embed_bias)},
+            "stack": {"layer_0": layers[0], "layers": jax.tree_util.tree_map(lambda *x: np.stack(x), *layers[1:])},
+            "final_norm": {"scale": a(model.norm_f.weight)},
+            "readout": {"kernel": a(model.head.weight).T, "bias": a(model.head.bias)}}
+
+
+def test_twin_from_rnnlabs_params_trains_as_rnnlab(twin):
+    """--from-rnnlab: the twin holds train.py's initial parameters, and its loss, every gradient and three AdamW
+    updates (rnnlab's schedule, clipping, weight decay) equal rnnlab's model and optimizer on the same batches.
+    So the two builds differ only in the random draws of their init, where they do not start from one draw."""
+    import jax
+    import optax
+    import torch
+
+    from rnnlab import models, steps, tasks
+
+    config = twin.benchmark.compose_overrides(["experiment=zoo_mqar", "model=mamba", "hidden_dim=16", "batch_size=4", "steps=3",
+                                               "optimizer.lr=1e-2"])
+    task = tasks.make_task(config.data)
+    model = twin.build_twin(config, task, twin.argparse.Namespace(from_rnnlab=True))
+    net = models.build_model(config.model, task.output_dim, "cpu", task.input_dim)
+    params = twin.rnnlab_initial_params(config, task)
+    tx, _ = steps.make_optimizer(config.optimizer, config.steps)
+    opt_state = tx.init(params)
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(config.optimizer.b1, config.optimizer.b2),
+                              eps=1e-8, weight_decay=config.optimizer.weight_decay)
+    _, schedule = steps.make_optimizer(config.optimizer, config.steps)
+
+    def rnnlab_loss(p, batch):
+        return task.loss_and_metrics(net.apply({"params": p}, batch.inputs), batch.targets)[0]
+
+    stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
+    for step in range(config.steps):
+        batch = tasks.sample_batch(task, stream, step, 0, config.batch_size)
+        ids, targets = (torch.from_numpy(np.asarray(x, np.int64)) for x in (batch.inputs, batch.targets))
+        np.testing.assert_allclose(_twin_as_rnnlab(model)["stack"]["layer_0"]["recurrence"]["cell"]["A_log"],
+                                   params["stack"]["layer_0"]["recurrence"]["cell"]["A_log"], rtol=1e-5, atol=1e-6)
+        logits = model(ids)
+        np.testing.assert_allclose(logits.detach().numpy(), net.apply({"params": params}, batch.inputs),
+                                   rtol=1e-4, atol=1e-5)
+        scored = targets != tasks.IGNORE
+        loss = torch.nn.functional.cross_entropy(logits[scored], targets[scored])
+        expected_loss, grads = jax.value_and_grad(rnnlab_loss)(params, batch)
+        np.testing.assert_allclose(loss.item(), expected_loss, rtol=1e-5)
+        adamw.zero_grad()
+        loss.backward()
+        jax.tree_util.tree_map(lambda t, j: np.testing.assert_allclose(t, j, rtol=2e-3, atol=2e-6),
+                               _twin_as_rnnlab(model, grads=True), grads)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.clip_norm)
+        for group in adamw.param_groups:
+            group["lr"] = float(schedule(step + 1))
+        adamw.step()
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    jax.tree_util.tree_map(lambda t, j: np.testing.assert_allclose(t, j, rtol=1e-4, atol=1e-5),
+                           _twin_as_rnnlab(model), params)
