@@ -9,7 +9,7 @@ cosine to 0.1 lr, clipping 1.0: read from conf/ by Hydra), drawn from rnnlab's s
 the batches a single-device `python train.py experiment=zoo_mqar` job sees. Nothing of rnnlab's model
 is used: the model is MambaLMHeadModel's shape (embedding N(0, 0.02), blocks x + Mamba(RMSNorm(x)),
 final RMSNorm, linear head without bias; out_proj rescaled by 1/sqrt(layers) as `_init_weights` does;
---embed-std, --no-rescale and --head-bias change those three; --from-rnnlab starts from the very parameters
+--embed-std, --no-rescale, --head-bias and --embed-bias change them; --from-rnnlab starts from the very parameters
 `train.py` draws for the same config, to compare the two builds step by step), and Mamba's own init (Delta's bias the inverse softplus of
 dt log-uniform in [1e-3, 0.1], A = -(1..N), D = 1, PyTorch's Linear and Conv1d defaults). The scan is the
 reference's `selective_scan_ref`, one step at a time.
@@ -164,7 +164,8 @@ def build_twin(config, task, args) -> MambaModel:
         load_rnnlab_params(model, rnnlab_initial_params(config, task))
         return model
     return MambaModel(task.input_dim + 1, task.output_dim, config.hidden_dim, config.num_layers,
-                      rescale=not args.no_rescale, embed_std=args.embed_std, head_bias=args.head_bias)
+                      rescale=not args.no_rescale, embed_std=args.embed_std, head_bias=args.head_bias,
+                      embed_bias=args.embed_bias)
 
 
 def main(argv=None) -> dict:
@@ -181,6 +182,8 @@ def main(argv=None) -> dict:
                         help="the embedding's init std (the reference's 0.02; rnnlab's token embedding: 1/sqrt(symbols))")
     parser.add_argument("--head-bias", action="store_true",
                         help="a head with a bias, initialised as rnnlab's readout (Flax's Dense) rather than PyTorch's Linear")
+    parser.add_argument("--embed-bias", action="store_true",
+                        help="a trainable bias (zero at init) added to the embedding, as rnnlab's input projection has")
     parser.add_argument("--from-rnnlab", action="store_true",
                         help="start from the parameters train.py draws for this config (and rnnlab's embedding bias, "
                              "head bias and norm eps), instead of the twin's own init")
@@ -232,7 +235,7 @@ def main(argv=None) -> dict:
                               "seconds": round(time.perf_counter() - start, 1)}), flush=True)
     result = {"width": args.width, "pairs": args.pairs, "lr": args.lr, "steps": config.steps, "seed": args.seed,
               "rescale": not args.no_rescale, "embed_std": args.embed_std, "head_bias": args.head_bias,
-              "from_rnnlab": args.from_rnnlab, "eval_accuracy": curve}
+              "embed_bias": args.embed_bias, "from_rnnlab": args.from_rnnlab, "eval_accuracy": curve}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
