@@ -96,11 +96,10 @@ def test_twin_from_rnnlabs_params_trains_as_rnnlab(twin):
     model = twin.build_twin(config, task, twin.argparse.Namespace(from_rnnlab=True))
     net = models.build_model(config.model, task.output_dim, "cpu", task.input_dim)
     params = twin.rnnlab_initial_params(config, task)
-    tx, _ = steps.make_optimizer(config.optimizer, config.steps)
+    tx, schedule = steps.make_optimizer(config.optimizer, config.steps)
     opt_state = tx.init(params)
     adamw = torch.optim.AdamW(model.parameters(), lr=0.0, betas=(config.optimizer.b1, config.optimizer.b2),
                               eps=1e-8, weight_decay=config.optimizer.weight_decay)
-    _, schedule = steps.make_optimizer(config.optimizer, config.steps)
 
     def rnnlab_loss(p, batch):
         return task.loss_and_metrics(net.apply({"params": p}, batch.inputs), batch.targets)[0]
@@ -109,8 +108,6 @@ def test_twin_from_rnnlabs_params_trains_as_rnnlab(twin):
     for step in range(config.steps):
         batch = tasks.sample_batch(task, stream, step, 0, config.batch_size)
         ids, targets = (torch.from_numpy(np.asarray(x, np.int64)) for x in (batch.inputs, batch.targets))
-        np.testing.assert_allclose(_twin_as_rnnlab(model)["stack"]["layer_0"]["recurrence"]["cell"]["A_log"],
-                                   params["stack"]["layer_0"]["recurrence"]["cell"]["A_log"], rtol=1e-5, atol=1e-6)
         logits = model(ids)
         np.testing.assert_allclose(logits.detach().numpy(), net.apply({"params": params}, batch.inputs),
                                    rtol=1e-4, atol=1e-5)
