@@ -258,8 +258,11 @@ def test_a_stopped_parallel_sweep_resumes_by_the_command_it_prints(tmp_path):
             "checkpoint.every=100", "log_every=100", "eval_every=1500", "eval_batches=1", "data.seq_len=20"]
     proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=train_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    def saved_steps(job_glob):  # finished saves only: "<step>.orbax-checkpoint-tmp-*" is one cut off mid-write
+        return [p for p in tmp_path.glob(f"{job_glob}/checkpoints/*") if p.name.isdigit()]
+
     deadline = time.time() + 240  # until a job holds a checkpoint: multirun/adding_grid/<the other overrides>/<job>
-    while time.time() < deadline and not list(tmp_path.glob("multirun/adding_grid/*/*/checkpoints/[0-9]*")):
+    while time.time() < deadline and not saved_steps("multirun/adding_grid/*/*"):
         time.sleep(0.5)
     (sweep_dir,) = (tmp_path / "multirun" / "adding_grid").iterdir()
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -269,7 +272,7 @@ def test_a_stopped_parallel_sweep_resumes_by_the_command_it_prints(tmp_path):
     assert len(lines) == 1, stderr[-3000:]
     command = shlex.split(lines[0].split("resume it with: ", 1)[1])
     assert command == ["python", "train.py", *args]  # the preset's sweep dir is stable: the same command
-    started = {job.name for job in jobs_of(sweep_dir) if list(job.glob("checkpoints/[0-9]*"))}
+    started = {job.name for job in jobs_of(sweep_dir) if saved_steps(job.relative_to(tmp_path))}
     assert started
     resumed = run_train(command[2:], cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
