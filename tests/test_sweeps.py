@@ -141,11 +141,16 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 @pytest.mark.slow
 def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     require("hydra_plugins.hydra_joblib_launcher")
+    # The jobs' own pin locks (cpu.pin_lock_dir is under the temp dir): on a machine where another sweep's
+    # jobs hold every core, a job rightly runs unpinned, and this test asks whether pinning happens.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    sweep_dir = tmp_path / "sweep"
     proc = run_train(["-m", "hydra/launcher=parallel", "hydra.launcher.n_jobs=2", "hidden_dim=8,16", *SWEEP_TINY,
-                      f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+                      f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env_extra={"TMPDIR": str(private_tmp)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Joblib.Parallel(n_jobs=2,backend=loky" in proc.stdout + proc.stderr
-    jobs = jobs_of(tmp_path)
+    jobs = jobs_of(sweep_dir)
     assert len(jobs) == 2 and all(results_of(j)["status"] == "completed" for j in jobs)
     assert [j.name for j in jobs] == ["0_hidden_dim=8", "1_hidden_dim=16"]  # worker processes name them alike
     hydra_cfg = yaml.safe_load((jobs[0] / ".hydra" / "hydra.yaml").read_text())["hydra"]
