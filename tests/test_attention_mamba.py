@@ -60,8 +60,9 @@ def numpy_attention(x, p, num_heads):
     return out @ p["cell"]["W_o"]
 
 
-def numpy_mamba(x, p, state_size, conv_size, dt_rank, **_):
-    """Mamba's selective SSM one step at a time, float64 (Gu & Dao 2023, Algorithm 2). x: [B, T, I] -> [B, T, H]."""
+def numpy_mamba(x, p, state_size, conv_size, dt_rank, allow_neg_eigval=False, **_):
+    """Mamba's selective SSM one step at a time, float64 (Gu & Dao 2023, Algorithm 2). x: [B, T, I] -> [B, T, H].
+    `allow_neg_eigval`: the decay 2 exp(Delta A) - 1 (Grazzi et al. 2025's `deltaA * 2 - 1`)."""
     c = p["cell"]
     u = x @ p["W_xh"] + p.get("b", 0)  # (Mamba's in_proj has no bias)
     inner = u.shape[-1] // 2
@@ -80,7 +81,10 @@ def numpy_mamba(x, p, state_size, conv_size, dt_rank, **_):
         proj = x_t @ c["W_x"]
         low, B_t, C_t = proj[:, :dt_rank], proj[:, dt_rank:dt_rank + state_size], proj[:, dt_rank + state_size:]
         delta = softplus(low @ c["W_dt"] + c["dt_bias"])  # [B, D]
-        h = np.exp(delta[:, :, None] * A) * h + (delta[:, :, None] * B_t[:, None, :]) * x_t[:, :, None]
+        decay = np.exp(delta[:, :, None] * A)
+        if allow_neg_eigval:
+            decay = 2 * decay - 1
+        h = decay * h + (delta[:, :, None] * B_t[:, None, :]) * x_t[:, :, None]
         y = np.einsum("bdn,bn->bd", h, C_t) + c["D"] * x_t
         out.append((y * silu(z[:, t])) @ c["W_out"])
     return np.stack(out, axis=1)
@@ -183,6 +187,28 @@ def test_mamba_without_conv_and_with_the_default_rank_matches_numpy():
     assert_close(got, numpy_mamba(x, params, **{**fields, "dt_rank": 1}))
 
 
+MAMBA_NEG = {**MAMBA, "allow_neg_eigval": True}
+
+
+@pytest.mark.parametrize("forms", [("custom_vjp", "sequential"), ("autodiff", "chunked"), ("custom_vjp", "associative")],
+                         ids="-".join)
+def test_mamba_with_negative_eigenvalues_matches_numpy(forms):
+    """Grazzi et al.'s switch in every form (with these draws, Delta A spans about [-5, -0.1]: decays of both signs)."""
+    recurrence_, time_scan = forms
+    params, x = params_of("mamba", MAMBA_NEG), inputs()
+    got = jitted_apply("mamba", key_of(MAMBA_NEG), recurrence=recurrence_, time_scan=time_scan)(f32(params), f32(x))
+    want = numpy_mamba(x, params, **MAMBA_NEG)
+    assert_close(got, want)
+    assert np.max(np.abs(want - numpy_mamba(x, params, **MAMBA))) > 0.05 * np.max(np.abs(want))  # the switch matters
+
+
+def test_mamba_forms_agree_with_negative_eigenvalues():
+    params, x = f32(params_of("mamba", MAMBA_NEG)), f32(inputs())
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA["hidden_dim"])), jnp.float32)
+    forms = [("autodiff", "sequential"), ("custom_vjp", "sequential"), ("custom_vjp", "associative"), ("autodiff", "chunked")]
+    assert_forms_agree([make_layer("mamba", MAMBA_NEG, recurrence=r, time_scan=t) for r, t in forms], params, x, weights)
+
+
 # What the gradient test differentiates beyond the layer input x.
 GRAD_PARAMS = {"attention": [("W_xh",), ("cell", "W_o")],
                "mamba": [("cell", "A_log"), ("cell", "dt_bias"), ("cell", "conv_w")]}
@@ -200,13 +226,16 @@ def with_leaf(tree, path, value):
     return {**tree, path[0]: with_leaf(tree[path[0]], path[1:], value)}
 
 
-@pytest.mark.parametrize("cell, time_scan", [("attention", "parallel"), ("attention", "blockwise"),
-                                             ("mamba", "sequential"), ("mamba", "chunked")])
-def test_gradients_match_finite_differences(cell, time_scan):
+@pytest.mark.parametrize("cell, time_scan, switch", [("attention", "parallel", {}), ("attention", "blockwise", {}),
+                                                     ("mamba", "sequential", {}), ("mamba", "chunked", {}),
+                                                     ("mamba", "chunked", {"allow_neg_eigval": True})])
+def test_gradients_match_finite_differences(cell, time_scan, switch):
     """jax.grad of sum(out * R) along random directions of x and of parameters, against central
     differences of the float64 loop."""
     fields, reference = CELLS[cell]
-    params, x = params_of(cell), inputs()
+    if switch:
+        fields, reference = {**fields, **switch}, lambda x, p: numpy_mamba(x, p, **MAMBA, **switch)
+    params, x = params_of(cell, fields), inputs()
     weights = np.random.default_rng(7).normal(size=(B, T, fields["hidden_dim"]))
     apply = apply_fn(make_layer(cell, fields, time_scan=time_scan))
     loss = lambda p, x: jnp.sum(apply(p, x) * jnp.asarray(weights, jnp.float32))  # noqa: E731

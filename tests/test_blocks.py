@@ -90,6 +90,7 @@ PAPER_BLOCKS = {
     "linear_attention": ("residual", "swiglu", 2.667, False),
     "deltanet": ("residual", "swiglu", 2.667, False),
     "gated_deltanet": ("residual", "swiglu", 2.667, False),
+    "deltaproduct": ("residual", "swiglu", 2.667, False),  # fla's GatedDeltaProduct model
     "rglru": ("residual", "geglu", 3, False),  # Griffin: gated GELU MLP, expansion 3
     "lru": ("residual", "geglu", 2, False),
     "mingru": ("residual", "geglu", 2, False),

@@ -21,8 +21,9 @@ B, T, I = 2, 7, 5
 MAMBA2 = dict(hidden_dim=4, state_size=3, head_dim=4, conv_size=3, expand=2, chunk_size=3)
 
 
-def numpy_mamba2(x, p, state_size, head_dim, conv_size, expand, **_):
-    """Mamba-2 one step at a time, float64 (Dao & Gu 2024, Sec. 7). x: [B, T, I] -> [B, T, H]."""
+def numpy_mamba2(x, p, state_size, head_dim, conv_size, expand, allow_neg_eigval=False, **_):
+    """Mamba-2 one step at a time, float64 (Dao & Gu 2024, Sec. 7). x: [B, T, I] -> [B, T, H].
+    `allow_neg_eigval`: the decay 2 exp(Delta A) - 1 (Grazzi et al. 2025)."""
     c = p["cell"]
     u = x @ p["W_xh"]  # in_proj: no bias
     inner = expand * c["W_out"].shape[1]
@@ -41,7 +42,8 @@ def numpy_mamba2(x, p, state_size, head_dim, conv_size, expand, **_):
             conv = silu(xbc[:, t])
         x_t, B_t, C_t = conv[:, :inner].reshape(-1, heads, width), conv[:, inner:inner + n], conv[:, inner + n:]
         delta = softplus(dt[:, t] + c["dt_bias"])  # [B, heads]
-        h = (np.exp(delta * A)[:, :, None, None] * h
+        decay = 2 * np.exp(delta * A) - 1 if allow_neg_eigval else np.exp(delta * A)
+        h = (decay[:, :, None, None] * h
              + (delta[:, :, None] * x_t)[..., None] * B_t[:, None, None, :])
         y = np.einsum("bhpn,bn->bhp", h, C_t) + c["D"][:, None] * x_t
         y = y.reshape(-1, inner) * silu(z[:, t])
@@ -93,13 +95,36 @@ def test_mamba2_matches_numpy(fields, time_scan):
     assert_close(got, numpy_mamba2(x, params, **fields))
 
 
+MAMBA2_NEG = {**MAMBA2, "allow_neg_eigval": True}
+
+
 @pytest.mark.parametrize("time_scan", ["sequential", "chunked"])
-def test_mamba2_gradients_match_finite_differences(time_scan):
+@pytest.mark.parametrize("fields", [MAMBA2_NEG, {**MAMBA2_NEG, "chunk_size": 7}], ids=["chunk3", "chunk7"])
+def test_mamba2_with_negative_eigenvalues_matches_numpy(fields, time_scan):
+    """Grazzi et al.'s switch: with these draws Delta A spans about [-5, -0.1], decays of both signs."""
+    params, x = random_params(key_of(fields)), inputs()
+    got = jitted_apply(key_of(fields), time_scan)(f32(params), f32(x))
+    want = numpy_mamba2(x, params, **fields)
+    assert_close(got, want)
+    assert np.max(np.abs(want - numpy_mamba2(x, params, **MAMBA2))) > 0.05 * np.max(np.abs(want))  # the switch matters
+
+
+def test_mamba2_forms_agree_with_negative_eigenvalues():
+    params, x = f32(random_params(key_of(MAMBA2_NEG))), f32(inputs())
+    weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA2["hidden_dim"])), jnp.float32)
+    layers = [make_layer("mamba2", {**MAMBA2_NEG, "chunk_size": c}, time_scan=s)
+              for s, c in [("sequential", 3), ("chunked", 3), ("chunked", 8)]]
+    assert_forms_agree(layers, params, x, weights)
+
+
+@pytest.mark.parametrize("fields", [MAMBA2, MAMBA2_NEG], ids=["positive", "neg_eigval"])
+@pytest.mark.parametrize("time_scan", ["sequential", "chunked"])
+def test_mamba2_gradients_match_finite_differences(time_scan, fields):
     """jax.grad of sum(out * R) along random directions of x and of the SSM's parameters, against central
     differences of the float64 loop."""
-    params, x = random_params(key_of(MAMBA2)), inputs()
+    params, x = random_params(key_of(fields)), inputs()
     weights = np.random.default_rng(7).normal(size=(B, T, MAMBA2["hidden_dim"]))
-    apply = apply_fn(make_layer("mamba2", MAMBA2, time_scan=time_scan))
+    apply = apply_fn(make_layer("mamba2", fields, time_scan=time_scan))
     loss = lambda p, x: jnp.sum(apply(p, x) * jnp.asarray(weights, jnp.float32))  # noqa: E731
     g_params, g_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(f32(params), f32(x))
     rng = np.random.default_rng(11)
@@ -110,8 +135,8 @@ def test_mamba2_gradients_match_finite_differences(time_scan):
 
         def f(v, path=path):
             if path is None:
-                return np.sum(numpy_mamba2(v, params, **MAMBA2) * weights)
-            return np.sum(numpy_mamba2(x, with_leaf(params, path, v), **MAMBA2) * weights)
+                return np.sum(numpy_mamba2(v, params, **fields) * weights)
+            return np.sum(numpy_mamba2(x, with_leaf(params, path, v), **fields) * weights)
 
         for _ in range(2):
             direction = rng.normal(size=value.shape)

@@ -16,8 +16,12 @@ from rnnlab.models import build_model
 
 T, B, H, HEADS, CONV, CHUNK = 11, 2, 8, 2, 3, 4  # T not a multiple of the chunk
 FORMS = {"gla": ["sequential", "associative", "chunked"], "linear_attention": ["sequential", "chunked"],
-         "deltanet": ["sequential", "chunked"], "gated_deltanet": ["sequential", "chunked"]}
+         "deltanet": ["sequential", "chunked"], "gated_deltanet": ["sequential", "chunked"],
+         "deltaproduct": ["sequential", "chunked"]}
 CASES = [(cell, form) for cell, forms in FORMS.items() for form in forms]
+# The state-tracking switches (Grazzi et al. 2025; DeltaProduct's n_h): (cell, fields) beside the defaults.
+SWITCHED = [("deltanet", {"allow_neg_eigval": True}), ("gated_deltanet", {"allow_neg_eigval": True}),
+            ("deltaproduct", {"allow_neg_eigval": True, "num_householder": 3}), ("deltaproduct", {"num_householder": 1})]
 
 
 def make(cell_name, **fields):
@@ -27,8 +31,9 @@ def make(cell_name, **fields):
     rng = np.random.default_rng(5)
     params["norm"] = params["norm"] + 0.2 * rng.normal(size=params["norm"].shape)  # not all ones
     u = rng.normal(size=(T, B, cell.input_width)).astype(np.float32)
-    if "gated" in cell_name or cell_name == "gla":  # some strongly decaying steps
-        u[..., 3 * H:3 * H + cell.extra_width()] -= 2.0 * rng.random(size=(T, B, cell.extra_width()))
+    if cell.gated if hasattr(cell, "gated") else cell_name == "gla":  # some strongly decaying steps
+        width = cell.qkv_width()
+        u[..., width:width + cell.extra_width()] -= 2.0 * rng.random(size=(T, B, cell.extra_width()))
     return cell, params, u
 
 
@@ -44,41 +49,46 @@ def softplus(v):
     return np.log1p(np.exp(v))
 
 
-def numpy_layer(name, u, p):
-    """The paper's layer one step at a time, float64. u: [T, B, W] -> [T, B, H]."""
+def numpy_layer(name, u, p, allow_neg_eigval=False, num_householder=None):
+    """The paper's layer one step at a time, float64. u: [T, B, W] -> [T, B, H]. DeltaProduct (Siems et al.
+    2025): per token the gate, then n delta-rule steps, as fla's naive_recurrent_gated_delta_product."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     u = np.asarray(u, np.float64)
     d = H // HEADS
-    qkv = u[..., :3 * H]
+    n = num_householder or (2 if name == "deltaproduct" else 1)
+    qkv = u[..., :(1 + 2 * n) * H]
     conv = np.zeros_like(qkv)
     for t in range(T):
         for i in range(CONV):
             if t - CONV + 1 + i >= 0:
                 conv[t] += p["conv"][i] * qkv[t - CONV + 1 + i]
-    q, k, v = (a.reshape(T, B, HEADS, d) for a in np.split(silu(conv), 3, axis=-1))
-    extra = u[..., 3 * H:]
+    conv = silu(conv)
+    q = conv[..., :H].reshape(T, B, HEADS, d)
+    k, v = (conv[..., a:a + n * H].reshape(T, B, n, HEADS, d) for a in (H, (1 + n) * H))  # fla's (n, heads, d)
+    extra = u[..., (1 + 2 * n) * H:]
     out = np.zeros((T, B, H))
     for b in range(B):
         for h in range(HEADS):
             S = np.zeros((d, d))
             for t in range(T):
-                qt, kt, vt = q[t, b, h], k[t, b, h], v[t, b, h]
+                qt, kt, vt = q[t, b, h], k[t, b, 0, h], v[t, b, 0, h]
                 if name in ("gla", "linear_attention"):
                     alpha = np.ones(d)
                     if name == "gla":
                         alpha = sigmoid(extra[t, b, h * d:(h + 1) * d]) ** (1 / 16)
                     S = np.diag(alpha) @ S + np.outer(kt, vt)  # S_t = diag(alpha_t) S_{t-1} + k_t^T v_t
                 else:
-                    qt, kt = qt / np.linalg.norm(qt), kt / np.linalg.norm(kt)
-                    beta = sigmoid(extra[t, b, h])
-                    alpha = 1.0
-                    if name == "gated_deltanet":
-                        alpha = np.exp(-np.exp(p["A_log"][h]) * softplus(extra[t, b, HEADS + h] + p["dt_bias"][h]))
-                    # paper (columns): S_t = alpha S_{t-1} (I - beta k k^T) + beta v k^T; here its transpose
-                    S = alpha * (np.eye(d) - beta * np.outer(kt, kt)) @ S + beta * np.outer(kt, vt)
+                    qt = qt / np.linalg.norm(qt)
+                    if name != "deltanet":
+                        S = S * np.exp(-np.exp(p["A_log"][h]) * softplus(extra[t, b, n * HEADS + h] + p["dt_bias"][h]))
+                    for j in range(n):
+                        kt, vt = k[t, b, j, h] / np.linalg.norm(k[t, b, j, h]), v[t, b, j, h]
+                        beta = sigmoid(extra[t, b, j * HEADS + h]) * (2 if allow_neg_eigval else 1)
+                        # paper (columns): S_t = S_{t-1} (I - beta k k^T) + beta v k^T; here its transpose
+                        S = (np.eye(d) - beta * np.outer(kt, kt)) @ S + beta * np.outer(kt, vt)
                 o = qt @ S / math.sqrt(d)
                 out[t, b, h * d:(h + 1) * d] = o / np.sqrt(np.mean(o * o) + 1e-6) * p["norm"]
-    if name in ("gla", "gated_deltanet"):
+    if name in ("gla", "gated_deltanet", "deltaproduct"):
         out = out * silu(u[..., -H:])
     return out @ p["W_o"]
 
@@ -93,6 +103,29 @@ def test_every_form_equals_the_papers_equations(cell_name, form):
     got = np.asarray(jax_layer(cell, form)(params, u))
     want = numpy_layer(cell_name, u, params)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("cell_name, fields", SWITCHED)
+@pytest.mark.parametrize("form", ["sequential", "chunked"])
+def test_switched_forms_equal_the_papers_equations(cell_name, fields, form):
+    cell, params, u = make(cell_name, **fields)
+    got = np.asarray(jax_layer(cell, form)(params, u))
+    want = numpy_layer(cell_name, u, params, **fields)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+    if fields.get("allow_neg_eigval"):  # the switch matters
+        assert np.abs(want - numpy_layer(cell_name, u, params, num_householder=fields.get("num_householder"))).max() \
+            > 0.05 * np.abs(want).max()
+
+
+def test_one_householder_step_is_gated_deltanet():
+    """deltaproduct with num_householder=1 is gated_deltanet, parameter for parameter, bit for bit."""
+    product, params, u = make("deltaproduct", num_householder=1)
+    gated = get_cell("gated_deltanet")(H, "default", num_heads=HEADS, conv_size=CONV, chunk_size=CHUNK)
+    assert product.input_width == gated.input_width
+    assert {k: v[0] for k, v in product.param_specs().items()} == {k: v[0] for k, v in gated.param_specs().items()}
+    for form in ("sequential", "chunked"):
+        np.testing.assert_array_equal(np.asarray(jax_layer(product, form)(params, u)),
+                                      np.asarray(jax_layer(gated, form)(params, u)))
 
 
 @pytest.mark.parametrize("cell_name, form", fast_first(sorted(CASES, key=lambda case: case[1] != "chunked"), keep=4))

@@ -8,6 +8,11 @@ S: [dk, dv], in the row convention of `rnnlab.cells.delta_rule_forms`:
     gated_deltanet:  alpha_t = exp(-exp(A_log) softplus(u_alpha,t + dt_bias))  (one per head, Mamba-2's
                      decay), and an output gate: y = (RMSNorm(o) * silu(g)) W_o
 
+`model.allow_neg_eigval=true` (Grazzi et al., ICLR 2025, "Unlocking State-Tracking in Linear RNNs Through
+Negative Eigenvalues"; flash-linear-attention's `allow_neg_eigval`) takes beta_t = 2 sigmoid(u_beta,t), so
+that I - beta_t k_t^T k_t, whose eigenvalue along k_t is 1 - beta_t, reaches (-1, 1]: a reflection, which
+parity needs. The forms are unchanged (the WY system stays unit lower-triangular for any beta).
+
 The write replaces the value stored under k_t by beta_t of the way to v_t (the delta rule), where
 linear attention only adds. The transition is not diagonal, so there is no cheap associative form:
 `sequential` runs it one step at a time (`delta_rule_recurrent`), `chunked` is the chunkwise WY form
@@ -42,6 +47,8 @@ def _dt_bias_init(key, shape, dtype=jnp.float32):
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class DeltaNet(MatrixCell):
+    allow_neg_eigval: bool = False  # beta in (0, 2), not (0, 1): eigenvalues of the transition in (-1, 1] (Grazzi et al.)
+
     name = "deltanet"
     time_scans = ("sequential", "chunked")
     gated = False
@@ -60,6 +67,8 @@ class DeltaNet(MatrixCell):
         k = l2_normalize(k)
         heads = self.num_heads
         beta = jax.nn.sigmoid(extra[..., :heads].astype(jnp.float32))
+        if self.allow_neg_eigval:
+            beta = 2 * beta
         log_alpha = None
         if self.gated:
             step = jax.nn.softplus(extra[..., heads:].astype(jnp.float32) + params["dt_bias"])

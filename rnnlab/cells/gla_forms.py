@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+TINY = 1e-30  # the least |alpha| `doubled_decay` returns
 
 
 def mm(spec: str, a: jax.Array, b: jax.Array, dtype: Any) -> jax.Array:
@@ -85,8 +86,9 @@ def block_checkpoint_scan(step: Callable, init: Any, xs: list, block: int, unrol
 
 
 def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
-                  checkpoint_every: int = 64) -> jax.Array:
+                  checkpoint_every: int = 64, negative: jax.Array | None = None) -> jax.Array:
     """GLA one step at a time. q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
+    `negative` (bool, like log_alpha; None: all False) marks the gates that are -exp(log_alpha).
 
     Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
@@ -94,16 +96,30 @@ def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array
     block = max(1, min(checkpoint_every, length))
     padded = -(-length // block) * block
     # Padded steps: alpha = 1, k = v = 0, so the state passes through them unchanged.
-    q, k, v, log_alpha = pad_time([q, k, v, log_alpha], padded)
+    xs = pad_time([q, k, v, log_alpha] + ([] if negative is None else [negative]), padded)
 
     def step(state, x):
-        q_t, k_t, v_t, la_t = x
-        state = jnp.exp(la_t.astype(F32))[..., None] * state + mm("bhk,bhv->bhkv", k_t, v_t, dtype)
+        q_t, k_t, v_t, la_t = x[:4]
+        alpha = jnp.exp(la_t.astype(F32))
+        if negative is not None:
+            alpha = jnp.where(x[4], -alpha, alpha)
+        state = alpha[..., None] * state + mm("bhk,bhv->bhkv", k_t, v_t, dtype)
         return state, mm("bhk,bhkv->bhv", q_t, state, dtype).astype(dtype)
 
     init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
-    _, o = block_checkpoint_scan(step, init, [q, k, v, log_alpha], block)
+    _, o = block_checkpoint_scan(step, init, xs, block)
     return o[:length]
+
+
+def doubled_decay(log_alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Grazzi et al.'s (ICLR 2025) switch for a decay alpha = exp(log_alpha) in (0, 1]: alpha' = 2 alpha - 1,
+    in (-1, 1], as log |alpha'| and its sign (alpha' < 0) for the forms that work with log-decays.
+
+    |alpha'| is floored at 1e-30 (log -69), so a gate at exactly 0 stays finite; its gradient there is 0."""
+    shifted = 2 * jnp.expm1(log_alpha.astype(F32))  # alpha' - 1, in (-2, 0]: exact near alpha' = 1
+    near_one = shifted > -0.5  # log1p there; elsewhere |alpha'| <= 1/2 is exact as 1 + shifted
+    log_abs = jnp.where(near_one, jnp.log1p(jnp.maximum(shifted, -0.5)), jnp.log(jnp.maximum(jnp.abs(1 + shifted), TINY)))
+    return log_abs, shifted < -1
 
 
 def pow2_ceil(n: int) -> int:
@@ -168,33 +184,47 @@ def gla_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
     return from_chunks(o.astype(dtype), length)
 
 
-def scalar_decays(log_alpha: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def scalar_decays(log_alpha: jax.Array, negative: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The decays of a chunk with one gate per head. log_alpha: [..., C] -> with g_i = sum_{s <= i}
     log_alpha_s: (G [..., C, C], G_ij = exp(g_i - g_j) for j <= i else 0; exp(g_i) [..., C, 1], where
     step i reads the incoming state; exp(g_C - g_j) [..., C, 1], where step j writes the outgoing one;
-    exp(g_C) [..., 1, 1], the incoming state's decay over the chunk). Every exponent is <= 0."""
+    exp(g_C) [..., 1, 1], the incoming state's decay over the chunk). Every exponent is <= 0.
+
+    `negative` (bool [..., C]; None: all False) marks the gates that are -exp(log_alpha): each product of
+    gates then carries the sign (-1)^(negatives in it), s_i s_j for G_ij with s_i the sign of the first i."""
     chunk = log_alpha.shape[-1]
     causal = jnp.tril(jnp.ones((chunk, chunk), bool))
     g = jnp.cumsum(log_alpha.astype(F32), axis=-1)
     diff = g[..., :, None] - g[..., None, :]
     ratio = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
-    return ratio, jnp.exp(g)[..., None], jnp.exp(g[..., -1:] - g)[..., None], jnp.exp(g[..., -1])[..., None, None]
+    read, write, decay = jnp.exp(g)[..., None], jnp.exp(g[..., -1:] - g)[..., None], jnp.exp(g[..., -1])[..., None, None]
+    if negative is None:
+        return ratio, read, write, decay
+    sign = 1 - 2 * (jnp.cumsum(negative.astype(jnp.int32), axis=-1) % 2).astype(F32)  # s_i = sign of the first i
+    last = sign[..., -1:]
+    return (ratio * sign[..., :, None] * sign[..., None, :], read * sign[..., None], write * (last * sign)[..., None],
+            decay * last[..., None])
 
 
-def ssd_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array, chunk_size: int = 64) -> jax.Array:
+def ssd_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array, chunk_size: int = 64,
+                negative: jax.Array | None = None) -> jax.Array:
     """GLA with one gate per head (Mamba-2's SSD, chunkwise): S_t = alpha_t S_{t-1} + k_t^T v_t, o_t = q_t S_t.
 
     q, k: [T, B, g, dk] with g = 1 (shared by every head: Mamba-2's C and B, one group) or g = h;
-    v: [T, B, h, dv]; log_alpha: [T, B, h] -> o: [T, B, h, dv]. Per chunk, q k^T is computed once per
+    v: [T, B, h, dv]; log_alpha: [T, B, h] -> o: [T, B, h, dv]; `negative` (bool, like log_alpha; None: all
+    False) marks the gates that are -exp(log_alpha). Per chunk, q k^T is computed once per
     group; a `lax.scan` over chunks carries the state, and autodiff keeps one state per chunk."""
     length, batch, heads, dv = v.shape
     dk = q.shape[-1]
     dtype = jnp.result_type(q, k, v)
     padded = -(-length // chunk_size) * chunk_size
     # Padded steps (at the end): q = k = v = 0 and alpha = 1; they touch no real output.
+    if negative is not None:
+        negative = to_chunks(pad_time([negative], padded)[0], chunk_size)
     q, k, v, log_alpha = pad_time([q, k, v, log_alpha], padded)
     q, k, v, log_alpha = (to_chunks(x, chunk_size) for x in (q, k, v, log_alpha))  # [N, B, g or h, C, (d)]
-    ratio, read, write, decay = scalar_decays(log_alpha)
+    ratio, read, write, decay = scalar_decays(log_alpha, negative)
     scores = mm("...id,...jd->...ij", q, k, dtype) * ratio  # [N, B, h, C, C]
     o_intra = mm("...ij,...jv->...iv", scores, v, dtype)
 

@@ -13,6 +13,10 @@ State Spaces", Algorithm 2 and Fig. 3). Inner width D = E*H (`model.expand` = E)
     y_t = h_t C_t + D_skip * x'_t                       (D_skip: [D], the parameter `D`)
     out_t = (y_t * silu(z_t)) W_out                     (W_out: [D, H])
 
+`model.allow_neg_eigval=true` (Grazzi et al., ICLR 2025, "Unlocking State-Tracking in Linear RNNs Through
+Negative Eigenvalues"; their `deltaA * 2 - 1`) replaces exp(Delta_t A) by 2 exp(Delta_t A) - 1, in (-1, 1], in
+every form: a transition that can flip the state's sign, which parity and modular counting need.
+
 `conv_size=0` leaves the convolution out (x'_t = silu(x_t)). The recurrence is elementwise in (D, N),
 run in float32 whatever `model.dtype`, as the reference implementation runs its scan. Its forms
 (`model.time_scan`):
@@ -74,6 +78,11 @@ def _a_log_init(key, shape, dtype=jnp.float32):
     return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[1] + 1, dtype=dtype)), shape)  # S4D-real: A = -(1..N)
 
 
+def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
+    """exp(Delta A), or with `allow_neg_eigval` 2 exp(Delta A) - 1 (Grazzi et al. 2025), exact near 1."""
+    return 1 + 2 * jnp.expm1(delta_a) if allow_neg_eigval else jnp.exp(delta_a)
+
+
 def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
     """Depthwise causal convolution over time: x [T, B, D], w [K, D], bias [D] -> [T, B, D] with
     out_t = sum_k w_k * x_{t-K+1+k} + bias (x before step 0 is zero). Elementwise, K shifted products."""
@@ -83,12 +92,13 @@ def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
 
 
 def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax.Array, c_out: jax.Array,
-                           a: jax.Array, d_skip: jax.Array, chunk_size: int, unroll: int = 1) -> jax.Array:
+                           a: jax.Array, d_skip: jax.Array, chunk_size: int, unroll: int = 1,
+                           allow_neg_eigval: bool = False) -> jax.Array:
     """(h_t C_t + D x'_t) * silu(z_t), with Delta_t = softplus(dt_t) and h_t = exp(Delta_t A) * h_{t-1} +
     (Delta_t x'_t) B_t, from h = 0: the whole layer between its two maps, one step at a time.
 
     dt (Delta before its softplus, bias added), xs, z: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A,
-    negative); d_skip: f32[D] -> f32[T, B, D]. Chunks of `chunk_size` steps are checkpointed: autodiff stores
+    negative); d_skip: f32[D] -> f32[T, B, D]. `allow_neg_eigval`: the decay is 2 exp(Delta_t A) - 1. Chunks of `chunk_size` steps are checkpointed: autodiff stores
     one h: [B, D, N] per chunk and the inputs, and reruns a chunk's steps (softplus, gate and all) in its
     backward, so no per-step intermediate of the layer ([T, B, D] each) is stored."""
     length = dt.shape[0]
@@ -100,7 +110,7 @@ def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax
     def step(h, inp):
         dt_t, x_t, z_t, b_t, c_t = inp
         delta = jax.nn.softplus(dt_t)
-        h = jnp.exp(delta[..., None] * a) * h + (delta * x_t)[..., None] * b_t[:, None, :]
+        h = decay(delta[..., None] * a, allow_neg_eigval) * h + (delta * x_t)[..., None] * b_t[:, None, :]
         y = jnp.sum(h * c_t[:, None, :], axis=-1) + d_skip * x_t  # elementwise, as the other forms' h_t C_t
         return h, y * jax.nn.silu(z_t)
 
@@ -117,6 +127,7 @@ class Mamba(SequenceCell):
     expand: int = 2  # E: inner width E * hidden_dim
     dt_rank: int = 0  # R: rank of Delta's input map; 0 = ceil(hidden_dim / 16)
     chunk_size: int = 64  # steps per checkpointed chunk of the chunked form (one [B, D, N] state kept per chunk)
+    allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba"
     time_scans = ("sequential", "associative", "chunked")
@@ -174,10 +185,10 @@ class Mamba(SequenceCell):
         dt = f32(d_low @ params["W_dt"]) + f32(params["dt_bias"])  # [T, B, D], Delta before its softplus
         if time_scan == "chunked":
             y = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
-                                       f32(params["D"]), self.chunk_size, unroll)
+                                       f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval)
             return y.astype(u.dtype) @ params["W_out"]
         delta = jax.nn.softplus(dt)
-        a = jnp.exp(delta[..., None] * -jnp.exp(f32(params["A_log"])))  # [T, B, D, N]
+        a = decay(delta[..., None] * -jnp.exp(f32(params["A_log"])), self.allow_neg_eigval)  # [T, B, D, N]
         b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
         hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
         y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise

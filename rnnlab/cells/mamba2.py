@@ -18,6 +18,10 @@ with one gate per head: q = C', k = B', v = Delta x', log alpha = Delta A. Forms
 `chunked` (SSD's chunkwise matmul form, `gla_forms.ssd_chunked`); both run in float32 whatever
 `model.dtype`, as the reference's scan does.
 
+`model.allow_neg_eigval=true` (Grazzi et al., ICLR 2025, "Unlocking State-Tracking in Linear RNNs Through
+Negative Eigenvalues") makes the decay 2 exp(Delta_t A) - 1, in (-1, 1]: the chunked form works with log
+|alpha| and carries each product's sign (`gla_forms.scalar_decays`).
+
 Initialisation as the reference's: A = U[1, 16] per head through A_log; D_skip = 1; softplus(dt_bias) =
 dt, log-uniform in [1e-3, 1e-1]; the conv (weight and bias), in_proj and out_proj as PyTorch's Conv1d
 and Linear default (`model.init=default`); the norm's weight 1. Mamba-2's model stacks residual blocks
@@ -34,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab.cells.deltanet import _a_log_init
-from rnnlab.cells.gla_forms import gla_recurrent, ssd_chunked
+from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
 from rnnlab.cells.mamba import _dt_bias_init, _fan_in_uniform, causal_conv
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.registry import SequenceCell, register_cell
@@ -50,6 +54,7 @@ class Mamba2(SequenceCell):
     conv_size: int = 4  # K: width of the short causal depthwise convolution over x, B and C; 0 = none
     expand: int = 2  # E: inner width E * hidden_dim
     chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
+    allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba2"
     time_scans = ("sequential", "chunked")
@@ -107,16 +112,19 @@ class Mamba2(SequenceCell):
             xbc = causal_conv(xbc, params["conv_w"], params["conv_b"])
         xs, b_in, c_out = jnp.split(jax.nn.silu(xbc).astype(jnp.float32), [d, d + n], axis=-1)
         delta = jax.nn.softplus(dt.astype(jnp.float32) + params["dt_bias"])  # [T, B, heads]
-        log_alpha = delta * -jnp.exp(params["A_log"])
+        log_alpha, negative = delta * -jnp.exp(params["A_log"]), None
+        if self.allow_neg_eigval:
+            log_alpha, negative = doubled_decay(log_alpha)
         xs = xs.reshape(*xs.shape[:2], heads, self.head_width)  # [T, B, heads, P]
         v = delta[..., None] * xs
         q, k = c_out[:, :, None, :], b_in[:, :, None, :]  # one group: [T, B, 1, N]
         if time_scan == "chunked":
-            y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]))
+            y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]), negative)
         else:
             shape = (*v.shape[:3], n)
-            y = gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v,
-                              jnp.broadcast_to(log_alpha[..., None], shape), self.chunk_size)
+            per_key = lambda a: None if a is None else jnp.broadcast_to(a[..., None], shape)  # noqa: E731
+            y = gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v, per_key(log_alpha),
+                              self.chunk_size, per_key(negative))
         y = (y + params["D"][:, None] * xs).reshape(*u.shape[:2], d)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * params["norm"]

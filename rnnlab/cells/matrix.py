@@ -75,9 +75,17 @@ class MatrixCell(SequenceCell):
         """Width of the model's own gates in the input term, after q, k and v."""
         return 0
 
+    def qkv_width(self) -> int:
+        """Width of q, k and v in the input term (the convolution's channels)."""
+        return 3 * self.hidden_dim
+
+    def split_qkv(self, qkv: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """[T, B, qkv_width] -> q, k, v: [T, B, heads, d] each."""
+        return tuple(a.reshape(*a.shape[:2], self.num_heads, self.head_dim) for a in jnp.split(qkv, 3, axis=-1))
+
     @property
     def input_width(self) -> int:
-        return 3 * self.hidden_dim + self.extra_width() + (self.hidden_dim if self.output_gate else 0)
+        return self.qkv_width() + self.extra_width() + (self.hidden_dim if self.output_gate else 0)
 
     def state_floats(self, seq_len):
         return self.num_heads * self.head_dim * self.head_dim
@@ -98,7 +106,7 @@ class MatrixCell(SequenceCell):
                  "W_o": ((h, h), nn.initializers.lecun_normal())}
         if self.conv_size:
             bound = 1 / math.sqrt(self.conv_size)  # torch's Conv1d default for a depthwise kernel
-            specs["conv"] = ((self.conv_size, 3 * h), _uniform(bound))
+            specs["conv"] = ((self.conv_size, self.qkv_width()), _uniform(bound))
         return specs
 
     def input_init(self):
@@ -109,11 +117,11 @@ class MatrixCell(SequenceCell):
         raise NotImplementedError
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
-        h, heads = self.hidden_dim, self.num_heads
-        qkv, extra = u[..., :3 * h], u[..., 3 * h:]
+        h, width = self.hidden_dim, self.qkv_width()
+        qkv, extra = u[..., :width], u[..., width:]
         if self.conv_size:
             qkv = jax.nn.silu(causal_conv(qkv, params["conv"].astype(qkv.dtype)))
-        q, k, v = (a.reshape(*a.shape[:2], heads, self.head_dim) for a in jnp.split(qkv, 3, axis=-1))
+        q, k, v = self.split_qkv(qkv)
         gate = None
         if self.output_gate:
             extra, gate = extra[..., :-h], extra[..., -h:]
