@@ -21,6 +21,8 @@ TOKEN_TASKS = {  # data overrides: tiny, with padded (variable-length) examples 
     "selective_copy": ["data=selective_copy", "data.seq_len=8", "data.min_seq_len=4"],
     "mqar": ["data=mqar", "data.seq_len=12", "data.vocab_size=16", "data.num_pairs=2", "data.min_seq_len=9"],
     "parity": ["data=parity", "data.seq_len=6", "data.min_seq_len=1"],
+    "word_problem": ["data=word_problem", "data.seq_len=6", "data.group=s3", "data.min_seq_len=1"],
+    "modular_arithmetic": ["data=modular_arithmetic", "data.seq_len=7", "data.min_seq_len=1"],
 }
 # (model overrides, the first layer's fold forced for both encodings: True, False, or None for the rule)
 MODELS = {
