@@ -27,21 +27,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.common import a_log_uniform_init, dt_bias_init
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import pow2_ceil
 from rnnlab.cells.matrix import MatrixCell, l2_normalize, padded_length
 from rnnlab.cells.registry import register_cell
-
-
-def _a_log_init(key, shape, dtype=jnp.float32):
-    """log A with A ~ U[1, 16] (gated DeltaNet's and Mamba-2's initialisation)."""
-    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
-
-
-def _dt_bias_init(key, shape, dtype=jnp.float32):
-    """softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba's initialisation of the step)."""
-    dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(1e-3), math.log(1e-1)))
-    return dt + jnp.log(-jnp.expm1(-dt))
 
 
 @register_cell
@@ -59,7 +49,7 @@ class DeltaNet(MatrixCell):
     def param_specs(self):
         specs = super().param_specs()
         if self.gated:
-            specs |= {"A_log": ((self.num_heads,), _a_log_init), "dt_bias": ((self.num_heads,), _dt_bias_init)}
+            specs |= {"A_log": ((self.num_heads,), a_log_uniform_init), "dt_bias": ((self.num_heads,), dt_bias_init)}
         return specs
 
     def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):

@@ -50,45 +50,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.common import a_log_s4d_real_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
 from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
-
-DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Delta's initial range, and its floor (the reference's)
-
-
-def _fan_in_uniform(fan_in: int):
-    """PyTorch's default for Linear and Conv1d weights and biases: U(-fan_in^-1/2, fan_in^-1/2)."""
-    bound = 1 / math.sqrt(fan_in)
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init
-
-
-def _dt_bias_init(key, shape, dtype=jnp.float32):
-    """Inverse softplus of dt, dt log-uniform in [DT_MIN, DT_MAX]."""
-    dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(DT_MIN), math.log(DT_MAX)))
-    dt = jnp.maximum(dt, DT_FLOOR)
-    return dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt) = log(exp(dt) - 1)
-
-
-def _a_log_init(key, shape, dtype=jnp.float32):
-    del key
-    return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[1] + 1, dtype=dtype)), shape)  # S4D-real: A = -(1..N)
-
 
 def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
     """exp(Delta A), or with `allow_neg_eigval` 2 exp(Delta A) - 1 (Grazzi et al. 2025), exact near 1."""
     return 1 + 2 * jnp.expm1(delta_a) if allow_neg_eigval else jnp.exp(delta_a)
-
-
-def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
-    """Depthwise causal convolution over time: x [T, B, D], w [K, D], bias [D] -> [T, B, D] with
-    out_t = sum_k w_k * x_{t-K+1+k} + bias (x before step 0 is zero). Elementwise, K shifted products."""
-    width, length = w.shape[0], x.shape[0]
-    padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
-    return sum(padded[k:k + length] * w[k] for k in range(width)) + bias
 
 
 def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax.Array, c_out: jax.Array,
@@ -137,7 +105,7 @@ class Mamba(SequenceCell):
         """in_proj as the reference's nn.Linear (`model.init=default`), else the named scheme's."""
         if self.init != "default":
             return super().input_init()
-        return lambda key, shape, dtype=jnp.float32: _fan_in_uniform(shape[0])(key, shape, dtype)
+        return torch_linear_init
 
     @property
     def inner(self) -> int:
@@ -155,15 +123,15 @@ class Mamba(SequenceCell):
         d, n, r = self.inner, self.state_size, self.rank
         specs = {}
         if self.conv_size:
-            specs["conv_w"] = ((self.conv_size, d), _fan_in_uniform(self.conv_size))
-            specs["conv_b"] = ((d,), _fan_in_uniform(self.conv_size))
+            specs["conv_w"] = ((self.conv_size, d), fan_in_uniform(self.conv_size))
+            specs["conv_b"] = ((d,), fan_in_uniform(self.conv_size))
         return {**specs,
-                "W_x": ((d, r + 2 * n), _fan_in_uniform(d)),
-                "W_dt": ((r, d), _fan_in_uniform(r)),  # U(+-R^-1/2): the reference's dt_init="random"
-                "dt_bias": ((d,), _dt_bias_init),
-                "A_log": ((d, n), _a_log_init),
+                "W_x": ((d, r + 2 * n), fan_in_uniform(d)),
+                "W_dt": ((r, d), fan_in_uniform(r)),  # U(+-R^-1/2): the reference's dt_init="random"
+                "dt_bias": ((d,), dt_bias_init),
+                "A_log": ((d, n), a_log_s4d_real_init),
                 "D": ((d,), jax.nn.initializers.ones),
-                "W_out": ((d, self.hidden_dim), _fan_in_uniform(d))}
+                "W_out": ((d, self.hidden_dim), fan_in_uniform(d))}
 
     def option_problem(self):
         for key, low in (("state_size", 1), ("conv_size", 0), ("expand", 1), ("dt_rank", 0), ("chunk_size", 1)):

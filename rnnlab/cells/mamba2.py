@@ -37,9 +37,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.deltanet import _a_log_init
+from rnnlab.cells.common import a_log_uniform_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
 from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
-from rnnlab.cells.mamba import _dt_bias_init, _fan_in_uniform, causal_conv
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.registry import SequenceCell, register_cell
 
@@ -80,20 +79,20 @@ class Mamba2(SequenceCell):
         """in_proj as the reference's nn.Linear (`model.init=default`), else the named scheme's."""
         if self.init != "default":
             return super().input_init()
-        return lambda key, shape, dtype=jnp.float32: _fan_in_uniform(shape[0])(key, shape, dtype)
+        return torch_linear_init
 
     def param_specs(self):
         conv_width = self.inner + 2 * self.state_size
         specs = {}
         if self.conv_size:
-            specs["conv_w"] = ((self.conv_size, conv_width), _fan_in_uniform(self.conv_size))
-            specs["conv_b"] = ((conv_width,), _fan_in_uniform(self.conv_size))
+            specs["conv_w"] = ((self.conv_size, conv_width), fan_in_uniform(self.conv_size))
+            specs["conv_b"] = ((conv_width,), fan_in_uniform(self.conv_size))
         return {**specs,
-                "dt_bias": ((self.num_heads,), _dt_bias_init),
-                "A_log": ((self.num_heads,), _a_log_init),  # A ~ U[1, 16]
+                "dt_bias": ((self.num_heads,), dt_bias_init),
+                "A_log": ((self.num_heads,), a_log_uniform_init),  # A ~ U[1, 16]
                 "D": ((self.num_heads,), jax.nn.initializers.ones),
                 "norm": ((self.inner,), jax.nn.initializers.ones),
-                "W_out": ((self.inner, self.hidden_dim), _fan_in_uniform(self.inner))}
+                "W_out": ((self.inner, self.hidden_dim), fan_in_uniform(self.inner))}
 
     def option_problem(self):
         for key, low in (("state_size", 1), ("head_dim", 1), ("conv_size", 0), ("expand", 1), ("chunk_size", 1)):

@@ -26,6 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.common import causal_conv, uniform
 from rnnlab.cells.registry import SequenceCell
 
 NORM_EPS = 1e-6
@@ -35,13 +36,6 @@ def padded_length(seq_len: int, block: int) -> int:
     """The length the blocked forms run over: whole blocks of min(block, seq_len) steps."""
     block = min(block, seq_len)
     return -(-seq_len // block) * block
-
-
-def causal_conv(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Depthwise causal convolution over time: x [T, B, C], w [K, C] -> y_t = sum_i w_i x_{t-K+1+i}."""
-    taps = w.shape[0]
-    padded = jnp.pad(x, [(taps - 1, 0), (0, 0), (0, 0)])
-    return sum(w[i] * padded[i:i + x.shape[0]] for i in range(taps))
 
 
 def rms_norm(o: jax.Array, w: jax.Array) -> jax.Array:
@@ -106,7 +100,7 @@ class MatrixCell(SequenceCell):
                  "W_o": ((h, h), nn.initializers.lecun_normal())}
         if self.conv_size:
             bound = 1 / math.sqrt(self.conv_size)  # torch's Conv1d default for a depthwise kernel
-            specs["conv"] = ((self.conv_size, self.qkv_width()), _uniform(bound))
+            specs["conv"] = ((self.conv_size, self.qkv_width()), uniform(bound))
         return specs
 
     def input_init(self):
@@ -138,9 +132,3 @@ class MatrixCell(SequenceCell):
         """Forward matmul FLOPs of `mix_heads` in the form `time_scan`, per example of `seq_len` steps."""
         raise NotImplementedError
 
-
-def _uniform(bound: float):
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init

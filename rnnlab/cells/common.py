@@ -1,0 +1,58 @@
+"""What several cell families share: the short causal convolution over time and the initialisers of the
+papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay). One definition each,
+so that a cell states which reference it follows by the name it imports."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Mamba's initial step range, and its floor (the reference's)
+
+
+def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """Depthwise causal convolution over time: x [T, B, C], w [K, C], bias [C] or None -> [T, B, C] with
+    out_t = sum_k w_k * x_{t-K+1+k} (+ bias); x before step 0 is zero. Elementwise: K shifted products."""
+    width, length = w.shape[0], x.shape[0]
+    padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
+    out = sum(padded[k:k + length] * w[k] for k in range(width))
+    return out if bias is None else out + bias
+
+
+def uniform(bound: float):
+    """U(-bound, bound)."""
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+def fan_in_uniform(fan_in: int):
+    """PyTorch's default for Linear and Conv1d weights and biases: U(-fan_in^-1/2, fan_in^-1/2)."""
+    return uniform(1 / math.sqrt(fan_in))
+
+
+def torch_linear_init(key, shape, dtype=jnp.float32):
+    """A [fan_in, fan_out] weight as PyTorch's nn.Linear draws it (`fan_in_uniform` of its first axis)."""
+    return fan_in_uniform(shape[0])(key, shape, dtype)
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32):
+    """Mamba's step bias: softplus^-1(dt), dt log-uniform in [DT_MIN, DT_MAX] (floored at DT_FLOOR); also
+    Mamba-2's and gated DeltaNet's."""
+    dt = jnp.exp(jax.random.uniform(key, shape, dtype, math.log(DT_MIN), math.log(DT_MAX)))
+    dt = jnp.maximum(dt, DT_FLOOR)
+    return dt + jnp.log(-jnp.expm1(-dt))  # softplus^-1(dt) = log(exp(dt) - 1)
+
+
+def a_log_uniform_init(key, shape, dtype=jnp.float32):
+    """log A with A ~ U[1, 16]: one decay rate per head (Mamba-2's and gated DeltaNet's initialisation)."""
+    return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def a_log_s4d_real_init(key, shape, dtype=jnp.float32):
+    """log A with A = (1, ..., N) along the last axis for every channel (Mamba's S4D-real): shape [D, N]."""
+    del key
+    return jnp.broadcast_to(jnp.log(jnp.arange(1, shape[-1] + 1, dtype=dtype)), shape)
