@@ -22,6 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab.embedding import is_token_ids, project
+
 MLPS = ("none", "gelu", "geglu", "swiglu")
 GATES: dict[str, Callable[[jax.Array], jax.Array]] = {"geglu": nn.gelu, "swiglu": nn.silu}
 
@@ -74,8 +76,6 @@ class ResidualBlock(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
-        from rnnlab.models import is_token_ids, project  # (models imports this module)
-
         fields = dict(self.layer_fields)
         dtype = fields.get("dtype", jnp.float32)
         if projection is not None:

@@ -38,6 +38,7 @@ from rnnlab import onednn
 from rnnlab.blocks import ResidualBlock
 from rnnlab.cells import Cell, SequenceCell, get_cell
 from rnnlab.config import ModelConfig
+from rnnlab.embedding import embed, is_token_ids, project  # noqa: F401  (embed: models.embed, as before)
 from rnnlab.recurrence import linear, recurrence
 
 log = logging.getLogger(__name__)
@@ -89,22 +90,6 @@ def folds_first_layer(config: ModelConfig, input_dim: int, tokens: int | None = 
     cell = get_cell(config.cell)
     return (config.block == "plain" and not cell.uses_layer_input
             and folds_projection(input_dim, config.hidden_dim, tokens=tokens))
-
-
-def is_token_ids(x: jax.Array) -> bool:
-    """Whether a model input is token ids (integers) rather than float features."""
-    return jnp.issubdtype(x.dtype, jnp.integer)
-
-
-def embed(ids: jax.Array, table: jax.Array) -> jax.Array:
-    """ids: int[...] in [0, K), table: [K, N] -> table[ids]: [..., N], zeros for an id out of range (a
-    padded step's `Task.padding_id`, K): `one_hot(ids, K) @ table` as a gather, its gradient a scatter-add."""
-    return jnp.take(table, ids, axis=0, mode="fill", fill_value=0)
-
-
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w for float inputs x [..., K]; for token ids x int[...], the same as their one-hot's (`embed`)."""
-    return embed(x, w) if is_token_ids(x) else x @ w
 
 
 def fold_projection(projection: tuple[jax.Array, jax.Array], w_xh: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:

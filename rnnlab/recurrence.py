@@ -19,13 +19,29 @@ path scans. Shapes: `T` time, `B` batch, `H` hidden units, `G` gates; time-major
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:  # the cells import this module for their backward passes
-    from rnnlab.cells.registry import Cell, Params
+Params = dict[str, Any]
+
+
+class SteppingCell(Protocol):
+    """What the scans here need of a cell (`rnnlab.cells.Cell` has it; named structurally, so that this
+    module, which the cells use, imports none of them)."""
+
+    has_hidden_from_saved: bool
+    prefetch: bool
+
+    def step(self, params: Params, carry: Any, u_t: jax.Array) -> tuple[Any, jax.Array, Any]: ...
+
+    def initial_carry(self, u_0: jax.Array) -> Any: ...
+
+    def hidden_from_saved(self, saved: Any) -> jax.Array: ...
+
+    def backward(self, params: Params, u: jax.Array, b: jax.Array, hs: jax.Array, saved: Any, g: jax.Array,
+                 unroll: int) -> tuple[jax.Array, Params]: ...
 
 
 def weight_grad(x: jax.Array, dy: jax.Array) -> jax.Array:
@@ -96,7 +112,7 @@ def scan(step: Callable, init: Any, xs: Any, reverse: bool = False, unroll: int 
     return carry, ys
 
 
-def scan_cell(cell: Cell, params: Params, u: jax.Array, b: jax.Array, unroll: int = 1,
+def scan_cell(cell: SteppingCell, params: Params, u: jax.Array, b: jax.Array, unroll: int = 1,
               prefetch: bool = False) -> tuple[jax.Array, Any]:
     """The cell's `step` over u + b (u: [T, B, G*H], b: [G*H]) from a zero carry -> (hs: [T, B, H], saved)."""
     from_saved = cell.has_hidden_from_saved
@@ -110,7 +126,7 @@ def scan_cell(cell: Cell, params: Params, u: jax.Array, b: jax.Array, unroll: in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def recurrence(cell: Cell, unroll: int, u: jax.Array, b: jax.Array, params: Params) -> jax.Array:
+def recurrence(cell: SteppingCell, unroll: int, u: jax.Array, b: jax.Array, params: Params) -> jax.Array:
     """hs: [T, B, H] of `cell` over the input terms u + b (u: [T, B, G*H] = x W_xh, b: [G*H]),
     differentiated by the cell's hand-written `backward`."""
     return scan_cell(cell, params, u, b, unroll, cell.prefetch)[0]

@@ -53,6 +53,8 @@ import jax.numpy as jnp
 from rnnlab.cells.common import a_log_s4d_real_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
 from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
+from rnnlab.recurrence import linear_recurrence, scan_linear
+
 
 def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
     """exp(Delta A), or with `allow_neg_eigval` 2 exp(Delta A) - 1 (Grazzi et al. 2025), exact near 1."""
@@ -141,8 +143,6 @@ class Mamba(SequenceCell):
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
         """u: [T, B, 2D] -> [T, B, H]."""
-        from rnnlab.recurrence import linear_recurrence, scan_linear  # (it imports the registry's types)
-
         xs, z = jnp.split(u, 2, axis=-1)
         if self.conv_size:  # silu(conv(x)), rerun in the backward rather than storing the conv's [T, B, D] buffers
             xs = jax.checkpoint(lambda x, w, b: jax.nn.silu(causal_conv(x, w, b)))(xs, params["conv_w"], params["conv_b"])

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rnnlab.recurrence import linear_recurrence, scan_linear
 from rnnlab.registry import Registry
 
 Initializer = Callable[..., jax.Array]
@@ -240,8 +241,6 @@ class LinearCell(SequenceCell):
     time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
-        from rnnlab.recurrence import linear_recurrence, scan_linear  # (it imports this module's types)
-
         a, b = self.coefficients(params, u, x)
         if recurrence == "custom_vjp":
             hs = linear_recurrence(a, b, time_scan, unroll)

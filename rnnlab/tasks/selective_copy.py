@@ -7,7 +7,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entropy, per_position_uniform, register_task
 
