@@ -138,6 +138,46 @@ def zoo_figure(zoo: Any, plt: Any) -> Any:
     return fig
 
 
+def zoo_tasks_figure(zoos: list[Any], title: str, plt: Any) -> Any:
+    """A zoo of several tasks (experiment=zoo_state_tracking): a panel per task, its headline metric
+    against eval length as zoo_figure draws it (log2 axis, a tick at each of its lengths, dashed at its
+    training length), a line per setting; a setting keeps its colour in every panel, one legend names them."""
+    labels = list(dict.fromkeys(label for zoo in zoos for label in zoo.labels))
+    palette = dict(zip(labels, styles(plt, len(labels))))
+    cols = len(zoos) if len(zoos) <= 3 else 2
+    rows = -(-len(zoos) // cols)
+    legend_width = 0.7 + 0.055 * max((len(label) for label in labels), default=0)  # inches, at fontsize 7
+    fig, axes = plt.subplots(rows, cols, figsize=(4.8 * cols + legend_width, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(zoos):]:
+        fig.delaxes(ax)  # an axes per task, no empty panel
+    for ax, zoo in zip(axes.flat, zoos):
+        for label, values in zip(zoo.labels, zoo.values):
+            pts = [(n, values[n]) for n in zoo.lengths if values.get(n) is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, label=label, **palette[label])
+        if zoo.lengths and min(zoo.lengths) > 0:
+            ax.set_xscale("log", base=2)
+        if zoo.seq_len:
+            ax.axvline(zoo.seq_len, color="grey", linestyle="--", linewidth=1)
+        fixed_ticks(ax, [(n, str(n)) for n in zoo.lengths])
+        trained = f", trained at seq_len {zoo.seq_len} (dashed)" if zoo.seq_len else ""
+        ax.set(xlabel="eval sequence length" + (" (log2 axis)" if ax.get_xscale() == "log" else ""),
+               ylabel=f"eval {zoo.metric}", title=f"{zoo.task or 'task unknown'}{trained}")
+        ax.title.set_fontsize(9)
+        if zoo.metric.endswith("accuracy"):
+            ax.set_ylim(-0.03, 1.03)  # every panel on the same scale, chance and all
+        ax.grid(True, alpha=0.3)
+    handles = {}
+    for ax in fig.axes:  # one entry per setting, in the tables' order
+        handles.update({label: h for h, label in zip(*ax.get_legend_handles_labels()) if label not in handles})
+    if handles:
+        drawn = [label for label in labels if label in handles]
+        fig.legend([handles[label] for label in drawn], drawn, loc="center right", fontsize=7, frameon=False)
+    fig.suptitle(f"{title}: eval headline metric by sequence length, each setting at its best lr")
+    fig.tight_layout(rect=(0, 0, 1 - legend_width / fig.get_figwidth(), 1))  # the legend on the right
+    return fig
+
+
 def zoo_train_metric(zoo: Any, row: int) -> float | None:
     """A zoo row's metric at the training length (its chosen lr's mean over seeds)."""
     return zoo.values[row].get(zoo.seq_len) if zoo.seq_len else None
@@ -207,16 +247,22 @@ def file_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def plot(sweep: Any, zoo: Any, out: Path) -> list[Path]:
-    """Writes loss_curves.png, sweep_<param>.png per swept parameter and, for a zoo,
-    zoo_<metric>_by_len.png, zoo_<metric>_by_<key>.png per numeric swept setting key (data.num_pairs,
-    hidden_dim) and zoo_<metric>_by_state_floats.png where state sizes differ; returns the files written."""
+def plot(sweep: Any, zoos: Any, out: Path) -> list[Path]:
+    """Writes loss_curves.png, sweep_<param>.png per swept parameter and, for a zoo (`zoos`: a Zoo, or
+    summarize.zoos' list of one per task), zoo_<metric>_by_len.png, zoo_<metric>_by_<key>.png per numeric
+    swept setting key (data.num_pairs, hidden_dim) and zoo_<metric>_by_state_floats.png where state sizes
+    differ. A zoo of several tasks: zoo_tasks_by_len.png (a panel per task), and the others per task as
+    zoo_<task>_<metric>_by_....png. Returns the files written."""
     plt = pyplot()
     figures = [("loss_curves.png", loss_figure(sweep, plt))]
     figures += [(f"sweep_{file_name(param)}.png", param_figure(sweep, param, plt)) for param in sweep.swept]
-    if zoo is not None and zoo.choices:
-        metric = file_name(zoo.metric)
-        figures.append((f"zoo_{metric}_by_len.png", zoo_figure(zoo, plt)))
+    zoos = [z for z in (zoos if isinstance(zoos, (list, tuple)) else [zoos]) if z is not None and z.choices]
+    if len(zoos) > 1:
+        figures.append(("zoo_tasks_by_len.png", zoo_tasks_figure(zoos, sweep.title(), plt)))
+    for zoo in zoos:
+        metric = file_name(zoo.metric) if len(zoos) == 1 else file_name(f"{zoo.task or 'task'}_{zoo.metric}")
+        if len(zoos) == 1:
+            figures.append((f"zoo_{metric}_by_len.png", zoo_figure(zoo, plt)))
         keys = zoo.numeric_setting_keys()
         for key in keys:
             figures.append((f"zoo_{metric}_by_{file_name(key)}.png", zoo_param_figure(zoo, key, plt)))

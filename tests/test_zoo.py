@@ -1,5 +1,7 @@
 """The zoo presets: every job of each sweep composes and validates, and the sweep covers every cell."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -24,3 +26,90 @@ def test_a_zoo_sweeps_every_cell_with_the_block_it_needs(zoo):
         assert config.data.eval_seq_lens and max(config.data.eval_seq_lens) > config.data.seq_len
         whole_sequence = issubclass(CELLS[cell], SequenceCell)
         assert config.model.block == ("residual" if whole_sequence else "plain")
+
+
+ST = "zoo_state_tracking"
+ST_TASKS = {"parity": ("parity", {}), "modular_arithmetic": ("modular_arithmetic", {"modulus": 5}),
+            "s3": ("word_problem", {"group": "s3"}), "a4": ("word_problem", {"group": "a4"}),
+            "a4_x_z5": ("word_problem", {"group": "a4_x_z5"}), "a5": ("word_problem", {"group": "a5"}),
+            "s5": ("word_problem", {"group": "s5"})}
+
+
+def st_params():
+    return yaml.safe_load(Path(f"{CONF_DIR}/experiment/{ST}.yaml").read_text())["hydra"]["sweeper"]["params"]
+
+
+def st_commands():
+    """The further sweeps the preset's header documents (its commands that set a model key): the command
+    lines after `python train.py`."""
+    text = Path(f"{CONF_DIR}/experiment/{ST}.yaml").read_text()
+    lines = [line.lstrip("# ").split() for line in text.splitlines() if line.startswith("#")]
+    return [words[2:] for words in lines if words[:2] == ["python", "train.py"] and f"experiment={ST}" in words
+            and any(w.startswith("model.") for w in words)]
+
+
+def sweep_jobs(args):
+    """The jobs Hydra's basic sweeper runs for `python train.py ARGS` (zoo.seeds=1): the preset's
+    hydra.sweeper.params, then the command line's task overrides, which replace a key's list."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params = [f"{k}={v}".replace("${zoo.seeds}", "1") for k, v in st_params().items()]
+    task = [a for a in args if "=" in a and not a.startswith(("hydra/", "hydra.", "experiment="))]
+    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params + task), None)
+    return [dict(o.split("=", 1) for o in job) for job in batch]
+
+
+def check_task(config, choice):
+    task, options = ST_TASKS[choice]
+    assert config.data.task == task and dict(config.data.options) == options
+    lengths = config.data.eval_seq_lens
+    assert lengths[0] == config.data.seq_len and 4 * config.data.seq_len <= max(lengths) <= 9 * config.data.seq_len
+    # one target per example (parity, modular arithmetic): lengths vary; a word problem scores every prefix
+    assert (config.data.min_seq_len is None) == (task == "word_problem")
+    if task == "modular_arithmetic":  # an expression has an odd number of tokens: every length is one
+        assert config.data.seq_len % 2 and all(n % 2 for n in lengths)
+
+
+def test_the_state_tracking_zoo_composes_every_job_of_its_sweep():
+    params = st_params()
+    assert sorted(params["model"].split(",")) == PACKAGE_CELLS == sorted(swept_models("zoo_parity"))
+    assert params["state_tracking"].split(",") == ["parity", "modular_arithmetic", "s3", "a5"]
+    jobs = sweep_jobs([f"experiment={ST}"])
+    assert len(jobs) == 4 * len(PACKAGE_CELLS) * 4  # tasks x cells x lrs, one seed
+    for job in {(j["state_tracking"], j["model"]): j for j in jobs}.values():  # one lr and seed: they validate alike
+        config = compose_config([f"experiment={ST}", *(f"{k}={v}" for k, v in job.items())])
+        check_task(config, job["state_tracking"])
+        assert config.model.cell == job["model"] and config.steps == 2000 and config.hidden_dim == 64
+        assert config.model.block == ("residual" if issubclass(CELLS[job["model"]], SequenceCell) else "plain")
+    for choice in set(ST_TASKS) - set(params["state_tracking"].split(",")):  # the other tasks of conf/state_tracking/
+        check_task(compose_config([f"experiment={ST}", f"state_tracking={choice}", "model=deltaproduct"]), choice)
+
+
+def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
+    """The header's switch-on and n_h commands: the command line's model list replaces the preset's, the switches
+    reach every job's config, and each sweep lands in a subdir of multirun/zoo_state_tracking."""
+    import datetime
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    switch, householder = st_commands()
+    homes = {train.sweep_home(["-m", *args], datetime.datetime.now()) for args in (switch, householder)}
+    assert len(homes) == 2 and all(home.startswith(f"multirun/{ST}/") for home in homes)
+    switched = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct")
+    expected = {"switch": {(cell, None, "true") for cell in switched},
+                "householder": {("deltaproduct", n, neg) for n in ("1", "3") for neg in ("false", "true")}}
+    for name, args in (("switch", switch), ("householder", householder)):
+        jobs = sweep_jobs(args)
+        settings = {(j["model"], j.get("model.num_householder"), j["model.allow_neg_eigval"].lower()) for j in jobs}
+        assert settings == expected[name] and len(jobs) == len(settings) * 4 * 4  # x tasks x lrs
+        for model, n_h, neg in settings:
+            config = compose_config([f"experiment={ST}", "state_tracking=s3", f"model={model}",
+                                     f"model.allow_neg_eigval={neg}", *([f"model.num_householder={n_h}"] * bool(n_h))])
+            options = dict(config.model.options)
+            assert options["allow_neg_eigval"] is (neg == "true")
+            assert n_h is None or options["num_householder"] == int(n_h)

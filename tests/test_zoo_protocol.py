@@ -135,7 +135,7 @@ def test_a_table_that_mixes_platforms_names_each_rows(tmp_path, summarize):
 
 
 def test_the_zoo_presets_sweep_lrs_and_seeds():
-    for zoo in ("zoo_parity", "zoo_selective_copy", "zoo_mqar"):
+    for zoo in ("zoo_parity", "zoo_selective_copy", "zoo_mqar", "zoo_state_tracking"):
         params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
         lrs = [float(v) for v in str(params["optimizer.lr"]).split(",")]
         assert len(lrs) == 4 and lrs == sorted(lrs)
