@@ -192,3 +192,50 @@ def test_one_householder_step_is_the_gated_delta_rule(form):
     product = jax.jit(lambda *a: form(*a, CHUNK))(q, k, v, beta, log_alpha)
     delta = jax.jit(lambda *a: single(*a, CHUNK))(q, k[:, :, :, 0], v[:, :, :, 0], beta[..., 0], log_alpha)
     np.testing.assert_array_equal(np.asarray(product), np.asarray(delta))
+
+
+def s3_word(length, seed):
+    """A random word of S3 as permutation matrices [T, 3, 3], and each one's two reflections: unit vectors
+    u [T, 2, 3] and strengths beta [T, 2] (2: the reflection I - 2 u^T u; 0: the identity) with P_t = H_2 H_1."""
+    rng = np.random.default_rng(seed)
+    perms = [np.eye(3)[list(p)] for p in ((0, 1, 2), (1, 0, 2), (0, 2, 1), (2, 1, 0), (1, 2, 0), (2, 0, 1))]
+    swap = {(0, 1): perms[1], (1, 2): perms[2], (0, 2): perms[3]}
+    axis = {pair: (np.eye(3)[pair[0]] - np.eye(3)[pair[1]]) / np.sqrt(2) for pair in swap}
+    steps = {0: [], 1: [(0, 1)], 2: [(1, 2)], 3: [(0, 2)]}
+    for i in (4, 5):  # the 3-cycles: a product of two transpositions, the first applied first
+        steps[i] = next([a, b] for a in swap for b in swap if np.allclose(swap[b] @ swap[a], perms[i]))
+    word = rng.integers(0, 6, size=length)
+    u, beta = np.zeros((length, 2, 3)), np.zeros((length, 2))
+    for t, g in enumerate(word):
+        for j, pair in enumerate(steps[g]):
+            u[t, j], beta[t, j] = axis[pair], 2.0
+        u[t, len(steps[g]):] = np.eye(3)[0]  # beta 0: any unit vector
+    return np.stack([perms[g] for g in word]), u, beta
+
+
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+def test_two_reflections_a_token_track_s3_over_long_words(form):
+    """DeltaProduct with n_h = 2 and beta up to 2 (the switch) represents S3's word problem exactly: with keys on
+    each element's two reflection axes (Siems et al.'s construction), the state after T = 300 tokens is the product
+    of the T permutation matrices applied to the vector the first token writes, in both forms. With beta <= 1 the
+    transition of a token has no eigenvalue -1, and a transposition needs one."""
+    length, heads = 300, 3
+    mats, u, beta = s3_word(length, seed=2)
+    c = np.array([1.0, 2.0, 3.0])  # distinct entries: P c names P
+    first = mats[0] @ c
+    u[0] = [first / np.linalg.norm(first), np.eye(3)[0]]  # token 1 writes P_1 c: (I - k^T k) 0 + k^T |P_1 c|
+    beta[0] = [1.0, 0.0]
+    v = np.zeros((length, 2, 1))
+    v[0, 0] = np.linalg.norm(first)
+    q = np.broadcast_to(np.eye(3)[None, None], (length, 1, heads, 3))  # head i reads entry i of the state
+    args = [q, np.broadcast_to(u[:, None, None], (length, 1, heads, 2, 3)),
+            np.broadcast_to(v[:, None, None], (length, 1, heads, 2, 1)), np.broadcast_to(beta[:, None, None], (length, 1, heads, 2))]
+    fn = jax.jit(lambda *a: (delta_product_recurrent(*a, None) if form == "recurrent"
+                             else delta_product_chunked(*a, None, chunk_size=16))[:, 0, :, 0])  # [T, heads]
+    want, state = [], c
+    for m in mats:
+        state = m @ state
+        want.append(state)
+    np.testing.assert_allclose(np.asarray(fn(*f32(args))), np.stack(want), atol=1e-4)
+    clipped = np.asarray(fn(*f32(args[:3] + [np.minimum(args[3], 1.0)])))  # eigenvalues in [0, 1] only
+    assert np.abs(clipped[-50:] - np.stack(want)[-50:]).max() > 0.5
