@@ -113,3 +113,7 @@ def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
             options = dict(config.model.options)
             assert options["allow_neg_eigval"] is (neg == "true")
             assert n_h is None or options["num_householder"] == int(n_h)
+    # Hydra composes the sweep's own config first, with the fixed overrides and the preset's default cell.
+    for args in (switch, householder):
+        fixed = [a for a in args if "," not in a and not a.startswith(("-m", "hydra/"))]
+        assert compose_config(fixed).model.cell == "deltaproduct"
