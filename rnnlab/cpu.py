@@ -10,6 +10,7 @@ second device (`device_count_needs_measuring`), which runs on one without timing
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import reprlib
@@ -109,6 +110,28 @@ def device_count_is_open(num_devices: int | None, devices: Sequence[jax.Device])
     """`device.num_devices=null` on CPU in one process, with more than one count to choose from."""
     return (num_devices is None and devices[0].platform == "cpu" and jax.process_count() == 1
             and len(devices) > 1)
+
+
+def fastest_device_count(available: int, batch_size: int, recorded: int | None, step_flops: float, time_steps: int,
+                         cache_key: dict[str, Any], seconds_per_step: Callable[[int], float]) -> tuple[int, str]:
+    """`device.num_devices=null` on CPU with `available` > 1 devices to choose from: (the count, how it was
+    chosen, for the start line). A resumed run keeps the count its run dir `recorded`, so that it continues
+    with the same numerics; a step of `step_flops` over `time_steps` too small to gain from more devices
+    runs on 1 without timing (`device_count_needs_measuring`); else 1 or all of them, whichever
+    `seconds_per_step(n)` measures faster (`choose_device_count`, cached by `cache_key`, the candidates and
+    the XLA flags)."""
+    if recorded is not None:
+        count = recorded if recorded <= available and batch_size % recorded == 0 else 1
+        return count, f" (device.num_devices=null: {count}, as this run dir was trained)"
+    if not device_count_needs_measuring(step_flops, time_steps):
+        return 1, (f" (untimed: {step_flops / time_steps / 1e6:.2g} MFLOP a time step"
+                   f" < {MEASURE_ABOVE_FLOPS_PER_TIME_STEP / 1e6:g})")
+    candidates = [1, available]
+    key = json.dumps({**cache_key, "candidates": candidates,
+                      "xla_flags": with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))}, sort_keys=True)
+    count, timings, cached = choose_device_count(key, candidates, seconds_per_step, files.cache_dir() / "device_count.json")
+    measured = ", ".join(f"{n}: {1e3 * t:.1f}" for n, t in sorted(timings.items()))
+    return count, f" (device.num_devices=null: fastest of {measured} ms{'; cached' if cached else ''})"
 
 
 MAX_SECONDS_PER_STEP = 3600.0  # a cached step time at or above this is no measurement of a step that trains

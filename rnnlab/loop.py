@@ -1,39 +1,45 @@
 """The training loop: multi-step dispatches through a bounded queue, and when to log, evaluate,
 save and stop.
 
-Each dispatch runs up to `run.steps_per_dispatch` steps and ends at the next step where
+Each dispatch runs up to `fns.steps_per_dispatch` steps and ends at the next step where
 the loop has work (`next_stop`), so logging, eval, histograms, checkpoints, SIGTERM and the profiler
 window see the same step numbers whatever the dispatch size. The host reads the metrics
 of finished dispatches while later ones run, with at most MAX_STEPS_IN_FLIGHT steps queued.
+The loop passes the train state along; the reporter and the checkpointer change only through
+their methods; `train_loop` returns what happened (`Outcome`).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab.checkpoint import PreemptionGuard
-from rnnlab.run import Run
+from rnnlab import memory
+from rnnlab.checkpoint import Checkpointer, CheckpointSaveError, PreemptionGuard
+from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
+from rnnlab.steps import MAX_STEPS_IN_FLIGHT, StepFunctions
 
-# pmap over simulated CPU devices aborts (all-reduce timeout) with ~50 steps queued
-# without a host sync; the loop never queues more than this many, on every backend.
-MAX_STEPS_IN_FLIGHT = 16
-assert 2 * cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What a training loop came to."""
+
+    status: str  # results.json's: "completed", "preempted", "diverged", "aborted" or "failed"
+    error: BaseException | None = None  # what stopped it early (raised again once results.json is written)
+    step: int | None = None  # where a diverged run stopped (None: the last step dispatched)
 
 
 class MetricQueue:
-    """Dispatches whose metrics the host has not read yet (oldest first), and the per-step host
-    metrics of the open log window."""
+    """Dispatches whose metrics the host has not read yet (oldest first). Reading turns them into
+    per-step host rows (`read_rows`: `StepFunctions.host_rows`) and hands those to `sink`
+    (`Reporter.add_rows`)."""
 
-    def __init__(self, run: Run):
-        self.run = run
+    def __init__(self, read_rows: Callable[[list], list[dict[str, float]]], sink: Callable[[list], None]):
         self.in_flight: list[tuple[int, Any]] = []  # (steps, stacked metrics)
-        self.rows: list[dict[str, float]] = []
-        self.window = (0.0, 0)  # (clock reading, timed steps) when the window opened
+        self._read_rows, self._sink = read_rows, sink
 
     def push(self, steps: int, metrics: Any) -> None:
         self.in_flight.append((steps, metrics))
@@ -52,89 +58,110 @@ class MetricQueue:
             queued -= self.in_flight[take][0]
             take += 1
         if take:
-            self.rows.extend(self.run.host_metrics(self.in_flight[:take]))
+            self._sink(self._read_rows(self.in_flight[:take]))
             del self.in_flight[:take]
 
-    def read_finite(self, step: int) -> None:
-        """Read every queued step and stop a diverged run (`Run.check_finite`) before its state is
-        used: histograms, checkpoints."""
-        self.read()
-        if self.rows:
-            self.run.check_finite(step, self.rows)
 
-    def open_window(self) -> None:
-        self.window = (self.run.clock.elapsed(), self.run.timed_steps)
-
-    def close_window(self, step: int) -> None:
-        self.read()
-        if self.rows:
-            self.run.log_train(step, self.rows, self.window)
-        self.rows.clear()
-        self.open_window()
-
-
-def train_loop(run: Run, state: Any, start_step: int) -> tuple[str, Any]:
-    """Steps `start_step+1 .. config.steps`; returns ("completed" or "preempted", final state)."""
-    config = run.config
-    queue = MetricQueue(run)
-    step, num_processes = start_step, jax.process_count()
-    if config.log.histograms_every and start_step == 0:
-        run.write_param_stats(0, state)  # the initialisation
-    with PreemptionGuard() as guard:
-        while step < config.steps:
-            # The first dispatch of this process compiles: one step, timed apart.
-            n = min(run.steps_per_dispatch, next_stop(config, step, num_processes) - step) if run.clock.running else 1
-            queue.make_room(n)
-            state, step = _dispatch(run, queue, state, step, n)
-            stopping = stop_requested(guard, step)
-            _between_dispatches(run, queue, state, step, stopping)  # ends with the queue read at the last step
-            if stopping:
-                run.clock.stop()
-                return "preempted", state
-    run.clock.stop()
-    if start_step >= config.steps:  # nothing left to train: evaluate the restored state
-        run.evaluate(start_step, state)
-    return "completed", state
+def train_loop(config: cfg.Config, fns: StepFunctions, reporter: Reporter, checkpointer: Checkpointer, state: Any,
+               start_step: int) -> Outcome:
+    """Steps `start_step+1 .. config.steps` from `state` (replicated layout of `fns.dp`), then the save in
+    flight waited for. Whatever happened is returned, not raised, so that results.json can say it:
+    "completed", "preempted" (SIGTERM/first SIGINT), "diverged", "aborted" (second SIGINT) or "failed"."""
+    try:
+        status, state = _Loop(config, fns, reporter, checkpointer).run(state, start_step)
+        _check_processes_agree(fns, state)
+        outcome = Outcome(status)
+    except NonFiniteLossError as e:
+        outcome = Outcome("diverged", e, e.step)
+    except KeyboardInterrupt as e:
+        outcome = Outcome("aborted", e)
+    except Exception as e:  # noqa: BLE001 - recorded in results.json, then raised again
+        outcome = Outcome("failed", memory.out_of_memory_error(e, config) if memory.is_out_of_memory(e) else e)
+    reporter.end_loop()
+    try:
+        checkpointer.wait()  # an async save in flight completes whatever happened
+    except CheckpointSaveError as e:
+        if outcome.error is None:
+            outcome = Outcome("failed", e)
+    return outcome
 
 
-def _dispatch(run: Run, queue: MetricQueue, state: Any, step: int, n: int) -> tuple[Any, int]:
-    """Dispatch steps step+1 .. step+n; the throughput clock starts after the first dispatch (which
-    compiles, unless `dispatch.compile` did it before: its time counts as compile time either way)."""
-    run.profiler.begin(step + 1)
-    dispatched_at = time.perf_counter()
-    state, metrics = run.dispatch(state, n)
-    queue.push(n, metrics)
-    step += n
-    run.profiler.end(step, metrics)
-    if run.clock.running:
-        run.timed_steps += n
-    else:
-        jax.block_until_ready(metrics)
-        run.compile_seconds = (run.compile_seconds or 0.0) + time.perf_counter() - dispatched_at
-        run.clock.start()
-        queue.open_window()
-    run.final_step = step
-    return state, step
+def _check_processes_agree(fns: StepFunctions, state: Any) -> None:
+    """With several processes, every one must end holding the same parameters."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.assert_equal(fns.dp.to_host(state.params), "processes ended with different parameters")
 
 
-def _between_dispatches(run: Run, queue: MetricQueue, state: Any, step: int, stopping: bool) -> None:
-    """The work due after `step`: a log line, an eval, histograms, a checkpoint."""
-    config, is_last = run.config, step == run.config.steps
-    if step % config.log_every == 0 or is_last or stopping:
-        queue.close_window(step)
-    if step % config.eval_every == 0 or is_last:
-        queue.read()  # queued steps count as training, not eval
-        with run.clock.paused():
-            run.evaluate(step, state)
-    if config.log.histograms_every and step % config.log.histograms_every == 0:
-        queue.read_finite(step)  # a diverged run stops as diverged, not in the histogram
-        with run.clock.paused():
-            run.write_param_stats(step, state)
-    if config.checkpoint.enabled and (is_last or stopping or run.checkpointer.should_save(step)):
-        queue.read_finite(step)  # never checkpoint a diverged state
-        with run.clock.paused():
-            run.writer.flush()  # events up to a checkpoint are on disk before the checkpoint is
-            run.checkpointer.save(step, run.dp.to_host(state), force=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds a reporter, a checkpointer, functions
+class _Loop:
+    """What the loop works with; the train state and the step are passed along, not kept."""
+
+    config: cfg.Config
+    fns: StepFunctions
+    reporter: Reporter
+    checkpointer: Checkpointer
+
+    def run(self, state: Any, start_step: int) -> tuple[str, Any]:
+        """Steps `start_step+1 .. config.steps`; returns ("completed" or "preempted", final state)."""
+        config, reporter = self.config, self.reporter
+        queue = MetricQueue(self.fns.host_rows, reporter.add_rows)
+        step, k, num_processes = start_step, self.fns.steps_per_dispatch, jax.process_count()
+        if config.log.histograms_every and start_step == 0:
+            reporter.log_param_stats(0, *self.fns.param_stats(state))  # the initialisation
+        with PreemptionGuard() as guard:
+            while step < config.steps:
+                # The first dispatch of this process compiles: one step, timed apart.
+                n = min(k, next_stop(config, step, num_processes) - step) if step > start_step else 1
+                queue.make_room(n)
+                state, step = self._dispatch(queue, state, step, n)
+                stopping = stop_requested(guard, step)
+                self._between_dispatches(queue, state, step, stopping)  # ends with the queue read at the last step
+                if stopping:
+                    reporter.stop_clock()
+                    return "preempted", state
+        reporter.stop_clock()
+        if start_step >= config.steps:  # nothing left to train: evaluate the restored state
+            self._evaluate(start_step, state)
+        return "completed", state
+
+    def _dispatch(self, queue: MetricQueue, state: Any, step: int, n: int) -> tuple[Any, int]:
+        """Dispatch steps step+1 .. step+n (the reporter times them: `Throughput.dispatched`)."""
+        self.reporter.dispatching(step + 1)
+        state, metrics = self.fns.dispatch(state, n)
+        queue.push(n, metrics)
+        self.reporter.dispatched(step + n, n, metrics)
+        return state, step + n
+
+    def _between_dispatches(self, queue: MetricQueue, state: Any, step: int, stopping: bool) -> None:
+        """The work due after `step`: a log line, an eval, histograms, a checkpoint."""
+        config, reporter, is_last = self.config, self.reporter, step == self.config.steps
+        if step % config.log_every == 0 or is_last or stopping:
+            queue.read()
+            reporter.close_window(step)
+        if step % config.eval_every == 0 or is_last:
+            queue.read()  # queued steps count as training, not eval
+            with reporter.paused():
+                self._evaluate(step, state)
+        if config.log.histograms_every and step % config.log.histograms_every == 0:
+            queue.read()
+            reporter.check_finite(step)  # a diverged run stops as diverged, not in the histogram
+            with reporter.paused():
+                reporter.log_param_stats(step, *self.fns.param_stats(state))
+        if config.checkpoint.enabled and (is_last or stopping or self.checkpointer.should_save(step)):
+            queue.read()
+            reporter.check_finite(step)  # never checkpoint a diverged state
+            with reporter.paused():
+                reporter.flush()  # events up to a checkpoint are on disk before the checkpoint is
+                self.checkpointer.save(step, self.fns.dp.to_host(state), force=True)
+
+    def _evaluate(self, step: int, state: Any) -> None:
+        """Every evaluated length, and the eval examples of tasks with a symbol per step."""
+        self.reporter.log_eval(step, self.fns.evaluate(state))
+        examples = self.fns.examples(state, EXAMPLES)
+        if examples is not None:
+            self.reporter.log_examples(step, *examples)
 
 
 def next_stop(config: cfg.Config, step: int, num_processes: int = 1) -> int:

@@ -74,6 +74,25 @@ def check_fits(what: str, host_bytes: float, device_bytes: float, devices: Seque
     )
 
 
+def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.Device], config: Config) -> None:
+    """Before anything is allocated (shapes will do): OutOfMemoryError unless the train state `state` (on the
+    host and on each local device) and the batches that stay on the devices fit. `batches`: one global batch
+    of each evaluated length, the training length's first; a train batch and `config.eval_batches` of each
+    stay, split over the processes and their devices."""
+    sizes = [tree_bytes(batch) for batch in batches]
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    on_devices = (sizes[0] + config.eval_batches * sum(sizes)) / max(1, jax.process_count())
+    check_fits("the train state and the batches", host_bytes=tree_bytes(state),
+               device_bytes=tree_bytes(state) + on_devices / local, devices=devices, config=config)
+
+
+def check_step_fits(stats: Any, devices: Sequence[jax.Device], config: Config) -> None:
+    """OutOfMemoryError if a compiled step (`stats`: XLA's memory analysis of it; None: unknown, passes)
+    cannot fit beside the (already resident) state on `devices`."""
+    if stats is not None:
+        check_fits("the train step", host_bytes=0.0, device_bytes=compiled_bytes(stats), devices=devices, config=config)
+
+
 def compiled_bytes(stats: Any) -> float:
     """Memory an executable allocates per device beyond its (already resident) arguments: outputs
     not aliased to donated arguments, plus XLA's temporaries."""

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from rnnlab import cpu
-from rnnlab.config import ConfigError, DeviceConfig, DistributedConfig
+from rnnlab.config import Config, ConfigError, DeviceConfig, DistributedConfig
 
 AXIS = "devices"  # the pmap axis name over which gradients and metrics are averaged
 _JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
@@ -25,6 +25,14 @@ def backend_started() -> bool:
     from jax._src import xla_bridge
 
     return xla_bridge.backends_are_initialized()
+
+
+def start_backend(config: Config) -> list[jax.Device]:
+    """The platform (`configure_backend`), the multi-process runtime (`initialize_distributed`), then
+    the devices to train on (`select_devices`)."""
+    configure_backend(config.device, config.batch_size, config.distributed.enabled)
+    initialize_distributed(config.distributed, config.device.platform)
+    return select_devices(config.device, config.batch_size)
 
 
 def configure_backend(config: DeviceConfig, batch_size: int, distributed: bool = False) -> None:

@@ -1,16 +1,19 @@
-"""What a run dir guarantees across processes and restarts: one writer at a time, and a
-resume that changes how training goes only where the user said so."""
+"""What a run dir guarantees across processes and restarts: it can be written, one writer at a
+time, and a resume that changes how training goes only where the user said so (the run record
+each checkpoint carries says what it was trained with)."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rnnlab.config import ConfigError
+from rnnlab.checkpoint import CheckpointError, Checkpointer
+from rnnlab.config import Config, ConfigError, flatten
 
 # Keys that fix the shape or structure of the saved state: no resume can change them.
 STRUCTURAL_KEYS = (
@@ -41,6 +44,45 @@ def is_free(key: str) -> bool:
 def task_widths(task: Any) -> dict[str, int]:
     """The run record's WIDTH_KEYS of a `rnnlab.tasks.Task`."""
     return {"task.input_dim": task.input_dim, "task.output_dim": task.output_dim}
+
+
+def run_record(config: Config, task: Any, num_devices: int | None, steps_per_dispatch: int | None) -> dict[str, Any]:
+    """The run record's flat config: `config` with the task's widths (`task_widths`) and the resolved device
+    count and dispatch size, as JSON gives it back (lists, not tuples), so that it compares equal to a saved one."""
+    flat = {**flatten(config), **task_widths(task), DISPATCH_USED_KEY: steps_per_dispatch}
+    if num_devices is not None:
+        flat[DEVICES_USED_KEY] = num_devices
+    return json.loads(json.dumps(flat))
+
+
+def saved_run_config(checkpointer: Checkpointer, resume: bool) -> dict[str, Any] | None:
+    """The flat config the newest checkpoint with a readable record was trained with; None if the run dir
+    holds no checkpoint. A ConfigError if it holds one but `checkpoint.resume` is false; a CheckpointError
+    if none has a readable record."""
+    latest = checkpointer.latest_step()
+    if latest is None:
+        return None
+    if not resume:
+        raise ConfigError(
+            f"key 'checkpoint.resume': false, but {checkpointer.directory} already holds step {latest}; "
+            f"use a new hydra.run.dir, or checkpoint.resume=true to continue it"
+        )
+    saved = checkpointer.saved_record()
+    if saved is None:
+        raise CheckpointError(f"no checkpoint in {checkpointer.directory} can be restored (none has a readable "
+                              f"config item: damaged, or written before checkpoints carried their config); "
+                              f"move them away or use a new hydra.run.dir")
+    return saved[1]["run_config"]
+
+
+def resumed_record(saved: Mapping[str, Any], now: dict[str, Any], allowed: Sequence[str],
+                   step: int) -> tuple[dict[str, Any], dict[str, list]]:
+    """(the run record later checkpoints carry, the accepted changes) of a resume at `step` from a checkpoint
+    whose record is `saved`: the config `now` (`run_record`), and the saved history with this resume's
+    changes (`resume_changes`, which refuses those not `allowed`) added."""
+    changes = resume_changes(saved["run_config"], now, allowed)
+    history = saved["config_history"] + ([{"step": step, "changes": changes}] if changes else [])
+    return {"run_config": now, "config_history": history}, changes
 
 
 def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Sequence[str]) -> dict[str, list]:
@@ -83,6 +125,17 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Se
 def _allow_name(key: str) -> str:
     """The name `checkpoint.allow_changes` accepts a change under (the device count by its config key)."""
     return "device.num_devices" if key == DEVICES_USED_KEY else key
+
+
+def check_writable(workdir: Path) -> None:
+    """Create the run dir if it is missing; a ConfigError if a file cannot be written there."""
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / f".write_test.{os.getpid()}"  # per process: several may share the run dir
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"run dir {workdir} is not writable ({e.strerror or e}); choose hydra.run.dir") from None
 
 
 class RunDirBusy(ConfigError):

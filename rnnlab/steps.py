@@ -1,5 +1,6 @@
 """The pure pieces of training: optimizer, train state, `train_step` and `eval_step`, on-device
-batch sampling, and the compiled multi-step dispatch the loop calls.
+batch sampling, the compiled multi-step dispatch the loop calls, and a run's compiled functions
+as one frozen value (`StepFunctions`).
 
 `train_step(state, batch) -> (state, metrics)` runs on one device's shard with gradients
 and metrics averaged over `parallel.AXIS`; parallelism is applied where it is called
@@ -8,12 +9,14 @@ and metrics averaged over `parallel.AXIS`; parallelism is applied where it is ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax.training import train_state
 
@@ -22,6 +25,10 @@ from rnnlab import parallel, tasks
 
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
+# pmap over simulated CPU devices aborts (all-reduce timeout) with ~50 steps queued
+# without a host sync; the loop never queues more than this many, on every backend.
+MAX_STEPS_IN_FLIGHT = 16
+assert 2 * cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
 
 
 def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -245,3 +252,75 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
     return dispatch
 
 
+def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The mean of each key over `rows` (dicts with the same keys); {} for no rows."""
+    return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
+
+
+class Evaluator(NamedTuple):
+    """`make_evaluator`'s eval step of one length and its eval batches, on the devices."""
+
+    step: Callable  # p_eval_step(state, batch) -> replicated metrics
+    batches: list
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds functions
+class StepFunctions:
+    """The compiled functions of a run, each in the replicated layout of `dp` and compiled on its
+    first call (the dispatch ahead of it: `dispatch.compile`). Their host reads give NumPy arrays
+    and dicts of floats."""
+
+    dp: parallel.DataParallel
+    dispatch: Callable  # make_dispatch's: (state, n <= steps_per_dispatch) -> (state, stacked metrics)
+    steps_per_dispatch: int
+    metric_names: tuple[str, ...]  # train_metric_names: the columns of the dispatch's metrics
+    evaluators: dict[int, Evaluator]  # by eval length: data.seq_len's (the usual eval) first, then data.eval_seq_lens'
+    gradient_probe: Callable | None  # make_gradient_probe's, with log.histograms_every > 0
+    predict: Callable  # (params, inputs) -> outputs on one device (unreplicated), for the eval examples
+
+    def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list[dict[str, float]]:
+        """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order. Waits for
+        those dispatches; the copies all start at once."""
+        names = self.metric_names
+        host = self.dp.to_host([metrics for _, metrics in dispatches])
+        return [dict(zip(names, map(float, row), strict=True))
+                for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
+
+    def evaluate(self, state: Any) -> dict[int, dict[str, float]]:
+        """Mean eval metrics at every evaluated length (keys as `evaluators`): all dispatched, then one host read."""
+        dispatched = [[evaluator.step(state, batch) for batch in evaluator.batches]
+                      for evaluator in self.evaluators.values()]
+        return {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
+                for n, rows in zip(self.evaluators, self.dp.to_host(dispatched))}
+
+    def examples(self, state: Any, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(inputs, targets, outputs) of the first `count` examples of the usual eval's first batch, for
+        tasks whose targets are a symbol per step ([B, T]); None for the others."""
+        batch = self.dp.to_host(next(iter(self.evaluators.values())).batches[0])
+        inputs, targets = np.asarray(batch.inputs[:count]), np.asarray(batch.targets[:count])
+        if targets.ndim != 2:
+            return None
+        return inputs, targets, np.asarray(self.predict(self.dp.to_host(state.params), inputs))
+
+    def param_stats(self, state: Any) -> tuple[Any, Any]:
+        """(parameters, the gradients the next update applies), on the host; every process computes the
+        gradients (a collective)."""
+        return self.dp.to_host((state.params, self.gradient_probe(state)))
+
+
+def make_step_functions(config: cfg.Config, task: tasks.Task, model: nn.Module, schedule: optax.Schedule,
+                        devices: Sequence[jax.Device], steps_per_dispatch: int) -> StepFunctions:
+    """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now."""
+    per_device = config.batch_size // len(devices)
+    dp = parallel.DataParallel(devices, config.device.strategy)
+    dispatch = make_dispatch(config, task, schedule, dp, per_device, steps_per_dispatch)
+    # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length.
+    evaluators = {task.seq_len: Evaluator(*make_evaluator(config, task, per_device, dp))}
+    evaluators |= {n: Evaluator(*make_evaluator(config, task.with_seq_len(n), per_device, dp))
+                   for n in config.data.eval_seq_lens if n != task.seq_len}
+    return StepFunctions(
+        dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
+        metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
+        gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
+        predict=jax.jit(lambda params, x: model.apply({"params": params}, x)),
+    )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import compose_config, fast_first
-from rnnlab import recurrence
+from rnnlab.cells import mamba as mamba_module
 from rnnlab.cells import get_cell
 from rnnlab.config import ConfigError
 from rnnlab.models import RecurrentLayer
@@ -317,7 +317,7 @@ def test_state_floats_is_the_size_of_the_state():
     values its score and output products read (the KV cache), per example."""
     mamba = get_cell("mamba")(**MAMBA)
     carried = []
-    original = recurrence.scan_linear
+    original = mamba_module.scan_linear
     mamba_params = f32(params_of("mamba"))  # before the spy: drawing them traces the layer's init
 
     def spy(a, b, *args):
@@ -325,7 +325,7 @@ def test_state_floats_is_the_size_of_the_state():
         return original(a, b, *args)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(recurrence, "scan_linear", spy)
+        patch.setattr(mamba_module, "scan_linear", spy)  # the name mamba.py calls
         jax.eval_shape(apply_fn(make_layer("mamba", MAMBA, recurrence="autodiff")), mamba_params, f32(inputs()))
     (shape,) = carried
     assert shape[:2] == (T, B) and np.prod(shape[2:]) == mamba.state_floats(T) == 2 * 4 * 3

@@ -52,7 +52,7 @@ def test_four_simulated_devices(tmp_path):
     "args,key",
     [
         (["device.num_devices=4", "batch_size=30"], "'batch_size': got 30, must be divisible by the 4 devices"),
-        (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: attention, deltanet, gated_deltanet, gla, linear_attention, "
+        (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: attention, deltanet, gated_deltanet, deltaproduct, gla, linear_attention, "
                                       "gru, lru, lstm, mamba, mamba2, mingru, minlstm, rglru, rnn"),
         (["hidden_dim=-3"], "'hidden_dim': got -3, must be > 0"),
         (["data.seq_len=abc"], "'data.seq_len': got 'abc', expected an integer"),

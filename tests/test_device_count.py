@@ -6,7 +6,8 @@ import pytest
 
 from conftest import tiny_config
 from rnnlab import cpu
-from rnnlab.trainer import DEVICES_USED_KEY, train_and_evaluate
+from rnnlab.rundir import DEVICES_USED_KEY
+from rnnlab.trainer import train_and_evaluate
 
 
 def test_cpu_device_count_is_the_largest_count_the_batch_divides_into():

@@ -168,13 +168,13 @@ def test_an_8192_symbol_mqar_trains_with_no_one_hot_in_its_step(tmp_path, monkey
     assert (batch.inputs.dtype, batch.inputs.shape) == (jnp.int32, (config.batch_size, task.total_len))
     one_hot_bytes = config.batch_size * task.total_len * task.input_dim * 4
 
-    analyses, check = [], trainer._check_step_fits
+    analyses, check = [], memory.check_step_fits
 
     def keep_analysis(stats, *args):
         analyses.append(stats)
         check(stats, *args)
 
-    monkeypatch.setattr(trainer, "_check_step_fits", keep_analysis)
+    monkeypatch.setattr(memory, "check_step_fits", keep_analysis)
     results = trainer.train_and_evaluate(config, tmp_path)
     assert results["status"] == "completed" and np.isfinite(results["train_loss"]) and analyses
 
