@@ -14,7 +14,7 @@ import pytest
 from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_product_recurrent
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
-from test_matrix_forms import assert_close, f32, numpy_delta, unit
+from test_matrix_forms import assert_close, assert_grads_match_finite_differences, f32, numpy_delta, unit
 
 B, H, DK, DV, CHUNK = 2, 2, 4, 4, 4
 LENGTHS = (11, 3, 12)
@@ -126,19 +126,8 @@ GRAD_CASES = [n for n in FORMS if not n.startswith("product") or n.startswith(("
 
 @pytest.mark.parametrize("name", GRAD_CASES)
 def test_grads_match_finite_differences(name):
-    _, reference, _ = FORMS[name]
     args, g = grads(name)
-    weights = functional(args[0].shape[0])
-    rng = np.random.default_rng(11)
-    eps = 1e-5
-    for i in range(len(args)):
-        direction = rng.normal(size=args[i].shape)
-        plus, minus = list(args), list(args)
-        plus[i], minus[i] = args[i] + eps * direction, args[i] - eps * direction
-        fd = np.sum((reference(*plus) - reference(*minus)) * weights) / (2 * eps)
-        ad = np.sum(g[i] * direction)
-        scale = np.linalg.norm(g[i]) * np.linalg.norm(direction)
-        assert abs(ad - fd) <= 5e-5 * scale, (name, i, ad, fd, scale)
+    assert_grads_match_finite_differences(FORMS[name][1], args, g, functional(args[0].shape[0]), tol=5e-5, directions=1)
 
 
 @pytest.mark.parametrize("family", ["delta_neg", "gated_delta_neg", "ssd_doubled", "product2_neg", "product3_pos"])

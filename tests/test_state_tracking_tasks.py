@@ -20,6 +20,7 @@ from rnnlab.models import build_model
 from rnnlab.tasks import IGNORE
 from rnnlab.tasks.modular_arithmetic import ModularArithmeticTask, memoryless_entropy
 from rnnlab.tasks.word_problem import WordProblemTask, multiplication_table
+from test_new_tasks import conditional_entropy
 
 SETTINGS = dict(max_examples=25, deadline=None, derandomize=True, database=None)
 N = 4000  # examples per statistic
@@ -31,16 +32,6 @@ sample_batch = jax.jit(tasks.sample_batch, static_argnums=(0, 4, 5))
 def draw(task, n=N, min_len=None, step=0):
     batch = sample_batch(task, tasks.stream_key(0, 0), jnp.int32(step), jnp.int32(0), n, min_len)
     return np.asarray(batch.inputs), np.asarray(batch.targets)
-
-
-def conditional_entropy(condition, outcome):
-    """The plug-in H(outcome | condition) in nats."""
-    total, h = len(outcome), 0.0
-    for c in np.unique(condition):
-        _, counts = np.unique(outcome[condition == c], return_counts=True)
-        p = counts / counts.sum()
-        h -= counts.sum() / total * (p * np.log(p)).sum()
-    return h
 
 
 # The reference group: elements as Python tuples, the product a loop. Merrill et al.'s data (jopetty/word-problem,
