@@ -4,8 +4,9 @@ and the simulated device count, measured once per machine and model and then cac
 On CPU, JAX can split the host into N simulated devices; XLA runs the small matmuls
 inside a time scan on about one core, so one device per core can train faster, while
 large matmuls already use every core. Which wins depends on the model, so it is
-measured (`choose_device_count`, docs/design.md), except for a step too small to gain from a
-second device (`device_count_needs_measuring`), which runs on one without timing any.
+measured (`choose_device_count`, docs/design.md) where a rule measured on a 2-core machine does not
+decide it (`device_count_by_rule`): a step too small to gain from a second device runs on one, a step
+of middling size on one per core, both without compiling the model twice.
 """
 
 from __future__ import annotations
@@ -41,17 +42,27 @@ def configure_cpu_backend(num_devices: int | None, batch_size: int, distributed:
         jax.config.update("jax_num_cpu_devices", max(wanted, jax.config.jax_num_cpu_devices))
 
 
-# A step whose matmuls do fewer FLOPs than this per time step (over the global batch) runs on one
-# device, untimed: a second device can only split the work inside each of the scan's sequential
-# steps, and below this it saved less than the 5% margin (docs/performance-notes.md, 2-core AMD EPYC).
-MEASURE_ABOVE_FLOPS_PER_TIME_STEP = 2e5
+# The device count by rule, from the train step's matmul FLOPs per time step (over the global batch),
+# measured on a 2-core AMD EPYC (docs/performance-notes.md, scripts/device_count_probe.py): below the
+# first bound a second device can only split the small work inside each of the scan's sequential steps
+# and loses; between the bounds one device per core won every shape probed (1.1-1.5x); above the second,
+# the matmuls already use every core and either may win, so the two are timed. The rule holds where it was
+# measured, at most RULE_DEVICES devices to choose from; with more, every step above the first bound is timed.
+ONE_DEVICE_BELOW_FLOPS_PER_TIME_STEP = 2e5
+TIMED_ABOVE_FLOPS_PER_TIME_STEP = 1e8
+RULE_DEVICES = 2
 LONG_DISPATCH_SECONDS = 1.0  # a warm dispatch this long is timed once: its noise is small beside it
 
 
-def device_count_needs_measuring(flops_per_step: float, time_steps: int) -> bool:
-    """Whether a step of `flops_per_step` matmul FLOPs over `time_steps` time steps may gain from
-    more devices, and so is worth timing (`choose_device_count`); else it runs on one device."""
-    return flops_per_step / max(time_steps, 1) >= MEASURE_ABOVE_FLOPS_PER_TIME_STEP
+def device_count_by_rule(flops_per_step: float, time_steps: int, available: int) -> int | None:
+    """1 or `available` devices for a step of `flops_per_step` matmul FLOPs over `time_steps` time steps,
+    as the rule above says; None where it must be timed (`choose_device_count`)."""
+    per_time_step = flops_per_step / max(time_steps, 1)
+    if per_time_step < ONE_DEVICE_BELOW_FLOPS_PER_TIME_STEP:
+        return 1
+    if available <= RULE_DEVICES and per_time_step < TIMED_ABOVE_FLOPS_PER_TIME_STEP:
+        return available
+    return None
 
 
 def seconds_per_step(dispatch: Callable, state: Any, steps_per_dispatch: int, max_in_flight: int) -> float:
@@ -116,16 +127,16 @@ def fastest_device_count(available: int, batch_size: int, recorded: int | None, 
                          cache_key: dict[str, Any], seconds_per_step: Callable[[int], float]) -> tuple[int, str]:
     """`device.num_devices=null` on CPU with `available` > 1 devices to choose from: (the count, how it was
     chosen, for the start line). A resumed run keeps the count its run dir `recorded`, so that it continues
-    with the same numerics; a step of `step_flops` over `time_steps` too small to gain from more devices
-    runs on 1 without timing (`device_count_needs_measuring`); else 1 or all of them, whichever
+    with the same numerics; a step of `step_flops` over `time_steps` that the rule decides
+    (`device_count_by_rule`) runs on its count without timing; else 1 or all of them, whichever
     `seconds_per_step(n)` measures faster (`choose_device_count`, cached by `cache_key`, the candidates and
     the XLA flags)."""
     if recorded is not None:
         count = recorded if recorded <= available and batch_size % recorded == 0 else 1
         return count, f" (device.num_devices=null: {count}, as this run dir was trained)"
-    if not device_count_needs_measuring(step_flops, time_steps):
-        return 1, (f" (untimed: {step_flops / time_steps / 1e6:.2g} MFLOP a time step"
-                   f" < {MEASURE_ABOVE_FLOPS_PER_TIME_STEP / 1e6:g})")
+    by_rule = device_count_by_rule(step_flops, time_steps, available)
+    if by_rule is not None:
+        return by_rule, f" (untimed, by rule: {step_flops / max(time_steps, 1) / 1e6:.2g} MFLOP a time step)"
     candidates = [1, available]
     key = json.dumps({**cache_key, "candidates": candidates,
                       "xla_flags": with_cpu_xla_flags(os.environ.get("XLA_FLAGS", ""))}, sort_keys=True)

@@ -74,16 +74,27 @@ def check_fits(what: str, host_bytes: float, device_bytes: float, devices: Seque
     )
 
 
-def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.Device], config: Config) -> None:
+def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.Device], config: Config,
+                     kept_per_device: float = 0.0) -> None:
     """Before anything is allocated (shapes will do): OutOfMemoryError unless the train state `state` (on the
-    host and on each local device) and the batches that stay on the devices fit. `batches`: one global batch
-    of each evaluated length, the training length's first; a train batch and `config.eval_batches` of each
-    stay, split over the processes and their devices."""
+    host and on each local device), the batches that stay on the devices, and `kept_per_device` bytes of what
+    the step must keep for its backward (`layer_outputs_bytes`, a lower bound of the compiled step's own
+    memory) fit. `batches`: one global batch of each evaluated length, the training length's first; a train
+    batch and `config.eval_batches` of each stay, split over the processes and their devices."""
     sizes = [tree_bytes(batch) for batch in batches]
     local = sum(d.process_index == jax.process_index() for d in devices)
     on_devices = (sizes[0] + config.eval_batches * sum(sizes)) / max(1, jax.process_count())
-    check_fits("the train state and the batches", host_bytes=tree_bytes(state),
-               device_bytes=tree_bytes(state) + on_devices / local, devices=devices, config=config)
+    what = "the train state and the batches" + (", with the layer outputs the backward keeps," if kept_per_device else "")
+    check_fits(what, host_bytes=tree_bytes(state), device_bytes=tree_bytes(state) + on_devices / local + kept_per_device,
+               devices=devices, config=config)
+
+
+def layer_outputs_bytes(config: Config, per_device: int, time_steps: int) -> float:
+    """Bytes of every layer's output [T, B, H] over one device's batch, in the compute dtype: what any
+    backward through the stack keeps at least (each layer's input for its weight gradient, the last's for
+    the readout), whatever the cell and its form; the compiled step's memory analysis says the rest."""
+    itemsize = np.dtype(jax.numpy.dtype(config.model.dtype)).itemsize
+    return float(config.model.num_layers) * time_steps * per_device * config.model.hidden_dim * itemsize
 
 
 def check_step_fits(stats: Any, devices: Sequence[jax.Device], config: Config) -> None:

@@ -7,9 +7,10 @@ host values (`rnnlab.steps.StepFunctions` reads them from the devices).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -77,11 +78,16 @@ def _one_line(error: BaseException) -> str:
 
 class Throughput:
     """Honest speed: the steps timed on a `ThroughputClock` that starts once the first dispatch (which
-    compiles) is done and pauses for eval and saves, the compile seconds, and the open log window's start."""
+    compiles) is done and pauses for eval and saves, the compile seconds, and the open log window's start.
+    `peak_flops` (one device's matmul FLOP/s, for MFU) is asked for at the first rate, not before the first
+    step: a device without a cached peak measures it then, with the clock paused and no step in flight."""
 
-    def __init__(self, tokens_per_step: int, flops_per_step: int, peak_flops: float | None, devices: Sequence):
+    def __init__(self, tokens_per_step: int, flops_per_step: int, peak_flops: Callable[[], float | None],
+                 devices: Sequence):
         self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
-        self._peak, self._devices = peak_flops, devices  # one device's matmul FLOP/s (flops.peak_flops)
+        self._peak_flops, self._devices = peak_flops, devices
+        self._peak: float | None = None
+        self._peak_known = False
         self._clock = ThroughputClock()
         self._timed_steps = 0
         self._compile_seconds: float | None = None
@@ -123,8 +129,15 @@ class Throughput:
             "perf/tokens_per_sec": steps * self.tokens_per_step / elapsed,
             "perf/steps_per_sec": steps / elapsed,
             "perf/flops_per_sec": steps * self.flops_per_step / elapsed,
-            "perf/mfu": flops.mfu(steps * self.flops_per_step / elapsed, self._peak, self._devices),
+            "perf/mfu": flops.mfu(steps * self.flops_per_step / elapsed, self.peak(), self._devices),
         }
+
+    def peak(self) -> float | None:
+        """One device's peak matmul FLOP/s, asked once; callers hold no step in flight (a log step)."""
+        if not self._peak_known:
+            with self._clock.paused():
+                self._peak, self._peak_known = self._peak_flops(), True
+        return self._peak
 
     def paused(self) -> contextlib.AbstractContextManager:
         return self._clock.paused()
@@ -137,7 +150,8 @@ class Throughput:
         elapsed = self._clock.elapsed()
         tokens_per_sec = self._timed_steps * self.tokens_per_step / elapsed if self._timed_steps and elapsed else None
         flops_per_sec = tokens_per_sec * self.flops_per_step / self.tokens_per_step if tokens_per_sec else None
-        return tokens_per_sec, flops_per_sec, flops.mfu(flops_per_sec, self._peak, self._devices)
+        return tokens_per_sec, flops_per_sec, flops.mfu(flops_per_sec, self.peak() if flops_per_sec else None,
+                                                       self._devices)
 
 
 class Reporter:
@@ -154,7 +168,7 @@ class Reporter:
                                     enabled=setup.primary)
         # The peak of the devices this run trains on (with device=cpu on a GPU machine, not JAX's default backend's).
         local_device = next(d for d in setup.devices if d.process_index == jax.process_index())
-        peak = flops.peak_flops(local_device, flops.model_peak_kind(config.model.dtype))  # cached, else ~1 s
+        peak = functools.partial(flops.peak_flops, local_device, flops.model_peak_kind(config.model.dtype))
         self._throughput = Throughput(setup.tokens_per_step, setup.step_flops(len(setup.devices)), peak, setup.devices)
         self._profiler = StepProfiler(config.profile, workdir / "tensorboard")  # jax.profiler window, off by default
         self._progress = ProgressBar(config.steps, start_step)  # a live bar on a terminal, else nothing

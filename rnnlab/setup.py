@@ -107,7 +107,8 @@ def _check_fits(setup: Setup) -> None:
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     evaluated = [task] + [task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len]
     batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in evaluated]
-    memory.check_state_fits(state, batches, setup.devices, config)
+    kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
+    memory.check_state_fits(state, batches, setup.devices, config, kept)
 
 
 def _log_pinning(devices: list) -> None:

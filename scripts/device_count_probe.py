@@ -4,7 +4,7 @@ time step and its time on 1 device and on one per core, timed as `device.num_dev
     python scripts/device_count_probe.py "model=rnn hidden_dim=16" "model=rnn hidden_dim=64" ...
 
 Each argument is one shape, as train.py overrides (added to `device=cpu`). It sets
-`rnnlab.cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP` (docs/performance-notes.md records the runs behind it).
+`rnnlab.cpu.device_count_by_rule`'s bounds (docs/performance-notes.md records the runs behind it).
 """
 
 import sys

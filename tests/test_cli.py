@@ -24,19 +24,19 @@ def test_readme_command_with_top_level_hidden_dim(tmp_path):
     summary = (tmp_path / "model_summary.txt").read_text()
     assert "kernel: float32[2,100]" in summary and ",100,100]" in summary  # hidden_dim=100 reached the model
     assert "baseline 0.1667" in proc.stdout + proc.stderr
-    # device.num_devices=null on CPU: 1 device or one per core, whichever measured faster, said so
-    # (this step is above cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP, so it is timed).
+    # device.num_devices=null on CPU: this step of middling size runs on one device per core by rule
+    # (cpu.device_count_by_rule), untimed, said so.
     most = cpu.cpu_device_count(8, cpu.max_cpu_devices())
     assert results["num_devices"] in (1, most)
-    if most > 1:
-        assert "device.num_devices=null: fastest of 1: " in proc.stdout + proc.stderr
+    if 1 < most <= cpu.RULE_DEVICES:
+        assert results["num_devices"] == most and "(untimed, by rule: " in proc.stdout + proc.stderr
 
 
 def test_a_step_too_small_to_gain_runs_on_one_device_untimed(tmp_path):
-    """debug=fast's step is far below cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP: one device, nothing timed."""
+    """debug=fast's step is far below cpu.ONE_DEVICE_BELOW_FLOPS_PER_TIME_STEP: one device, nothing timed."""
     proc = run_train(["debug=fast", "device=cpu", f"hydra.run.dir={tmp_path}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "1 cpu device(s)" in proc.stdout + proc.stderr and "(untimed: " in proc.stdout + proc.stderr
+    assert "1 cpu device(s)" in proc.stdout + proc.stderr and "(untimed, by rule: " in proc.stdout + proc.stderr
     assert "timing this model shape" not in proc.stdout + proc.stderr
     assert json.loads((tmp_path / "results.json").read_text())["num_devices"] == 1
 

@@ -24,17 +24,25 @@ def test_max_cpu_devices_honours_the_environment_cap(monkeypatch):
     assert cpu.max_cpu_devices() == min(cpu.host_cores(), cpu.MAX_CPU_DEVICES)
 
 
-def test_only_a_step_with_enough_work_per_time_step_is_timed():
-    threshold = cpu.MEASURE_ABOVE_FLOPS_PER_TIME_STEP
-    assert not cpu.device_count_needs_measuring(0.5 * threshold * 100, 100)
-    assert cpu.device_count_needs_measuring(threshold * 100, 100)
-    assert cpu.device_count_needs_measuring(threshold, 0)  # no time steps: as one
+def test_the_rule_runs_small_steps_on_one_device_middling_ones_on_all_and_times_the_rest():
+    low, high = cpu.ONE_DEVICE_BELOW_FLOPS_PER_TIME_STEP, cpu.TIMED_ABOVE_FLOPS_PER_TIME_STEP
+    assert cpu.device_count_by_rule(0.5 * low * 100, 100, 2) == 1
+    assert cpu.device_count_by_rule(low * 100, 100, 2) == 2
+    assert cpu.device_count_by_rule(0.99 * high * 100, 100, 2) == 2
+    assert cpu.device_count_by_rule(high * 100, 100, 2) is None
+    assert cpu.device_count_by_rule(low * 100, 100, cpu.RULE_DEVICES + 1) is None  # more devices than measured
+    assert cpu.device_count_by_rule(low, 0, 2) == 2  # no time steps: as one
 
 
-@pytest.mark.parametrize("overrides, timed", [(["debug=fast"], False), (["model=rnn", "hidden_dim=100", "batch_size=32",
-                                                                        "data.seq_len=100"], True)])
-def test_the_rule_times_the_elman_row_that_gains_and_not_a_smoke_test(overrides, timed):
-    """The benchmark's Elman H=100 B=32 T=100 row gains 1.23x from 2 devices (docs/benchmarks.md): it stays timed."""
+@pytest.mark.parametrize("overrides, count", [
+    (["debug=fast"], 1),
+    (["model=rnn", "hidden_dim=100", "batch_size=32", "data.seq_len=100"], 2),  # gains 1.23x (docs/benchmarks.md)
+    (["model=deltanet", "hidden_dim=24", "data=mqar", "data.vocab_size=16", "data.num_pairs=2", "data.seq_len=20"], 2),
+    (["model=lstm", "hidden_dim=1024", "batch_size=32", "data.seq_len=100"], None),  # 0.69-0.76x: timed
+])
+def test_the_rule_on_the_shapes_it_was_measured_on(overrides, count):
+    """Without compiling: the smoke test on one device, the Elman row and an MQAR-sized DeltaNet on two, a
+    wide LSTM (whose matmuls use both cores already) timed."""
     from conftest import compose_config
     from rnnlab import flops, tasks
 
@@ -42,7 +50,7 @@ def test_the_rule_times_the_elman_row_that_gains_and_not_a_smoke_test(overrides,
     task = tasks.make_task(config.data)
     step = flops.train_step_flops(config.model, task.input_dim, task.output_dim, config.batch_size * task.total_len,
                                   task.total_len, task.token_inputs)
-    assert cpu.device_count_needs_measuring(step, task.total_len) == timed
+    assert cpu.device_count_by_rule(step, task.total_len, 2) == count
 
 
 def test_device_count_is_measured_once_then_read_from_the_cache(tmp_path):
@@ -89,7 +97,7 @@ def test_a_damaged_or_unwritable_cache_is_measured_again_and_replaced(tmp_path):
 def test_a_resumed_run_keeps_the_device_count_its_run_dir_recorded(tmp_path, caplog, monkeypatch):
     if cpu.max_cpu_devices() < 2:
         pytest.skip("one core: device.num_devices=null has nothing to choose")
-    monkeypatch.setattr(cpu, "MEASURE_ABOVE_FLOPS_PER_TIME_STEP", 0.0)  # time even this tiny step
+    monkeypatch.setattr(cpu, "device_count_by_rule", lambda *args: None)  # time even this tiny step
     measured = train_and_evaluate(tiny_config("device.num_devices=null"), tmp_path / "measured")["num_devices"]
     # A run dir trained on the other count: resumed with null, it must follow its record,
     # not the (cached) measurement.

@@ -229,3 +229,28 @@ def test_training_reports_mfu_against_the_cached_peak(tmp_path, monkeypatch, tin
     assert results["mfu"] == pytest.approx(results["flops_per_sec"] / 1.0e9)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert "perf/mfu" in events.Tags()["scalars"]
+
+
+def test_the_peak_is_asked_for_at_the_first_rate_not_before_the_first_step_and_off_the_clock():
+    import time
+
+    from rnnlab.report import Throughput
+
+    asked = []
+
+    def slow_peak():
+        asked.append(True)
+        time.sleep(0.2)  # a measurement: must not count as training time
+        return 1.0e18
+
+    meter = Throughput(tokens_per_step=10, flops_per_step=1e6, peak_flops=slow_peak, devices=jax.devices()[:1])
+    meter.dispatching()
+    meter.dispatched(1, jax.numpy.zeros(()))  # the first dispatch: the clock starts
+    assert not asked
+    meter.dispatched(4, None)
+    rates = meter.window_rates()
+    meter.open_window()
+    meter.dispatched(4, None)
+    assert len(asked) == 1 and rates["perf/mfu"] == pytest.approx(rates["perf/flops_per_sec"] / 1.0e18)
+    assert meter.window_rates()["perf/steps_per_sec"] > 4 / 0.2  # the 0.2 s measurement is not in this window
+    assert meter.totals()[2] is not None and len(asked) == 1
