@@ -36,7 +36,7 @@ def test_the_rule_runs_small_steps_on_one_device_middling_ones_on_all_and_times_
 
 @pytest.mark.parametrize("overrides, count", [
     (["debug=fast"], 1),
-    (["model=rnn", "hidden_dim=100", "batch_size=32", "data.seq_len=100"], 2),  # gains 1.23x (docs/benchmarks.md)
+    (["model=rnn", "hidden_dim=100", "batch_size=32", "data.seq_len=100"], 2),  # 1.23x: docs/benchmarks-history.md
     (["model=deltanet", "hidden_dim=24", "data=mqar", "data.vocab_size=16", "data.num_pairs=2", "data.seq_len=20"], 2),
     (["model=lstm", "hidden_dim=1024", "batch_size=32", "data.seq_len=100"], None),  # 0.69-0.76x: timed
 ])
