@@ -8,9 +8,12 @@ family's model (its paper's block), so it is a key of the model config, not a co
     gelu     GELU(x W_up + b_up) W_down + b_down             (GPT-2's and Zoology's transformer MLP)
     geglu    (GELU(x W_gate) * (x W_up)) W_down              (Griffin's gated MLP; the LRU's GLU)
     swiglu   (SiLU(x W_gate) * (x W_up)) W_down              (LLaMA's; flash-linear-attention's models)
+    rwkv     relu(x' W_up)^2 W_down,  x' = x + (x_{t-1} - x) * mu   (RWKV-7's channel mixing: a token shift,
+             then a squared ReLU; fla's RWKV7FeedForward, its init: mu = 1 - n/H, W_up orthogonal, W_down 0)
 
 The hidden width is `mlp_width(model.mlp_expand, H)`; `model.mlp_bias` adds a bias to every dense
-layer of the MLP. Parameter names: `mlp/{gate,up,down}/{kernel[, bias]}` (gelu has no `gate`).
+layer of the MLP. Parameter names: `mlp/{gate,up,down}/{kernel[, bias]}` (gelu has no `gate`; rwkv has
+`mlp/mu` [H] instead). The MLPs see time-major [T, B, H], as the block does (the token shift's axis 0).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import jax.numpy as jnp
 
 from rnnlab.embedding import is_token_ids, project
 
-MLPS = ("none", "gelu", "geglu", "swiglu")
+MLPS = ("none", "gelu", "geglu", "swiglu", "rwkv")
 GATES: dict[str, Callable[[jax.Array], jax.Array]] = {"geglu": nn.gelu, "swiglu": nn.silu}
 
 
@@ -35,12 +38,13 @@ def mlp_width(expand: float, hidden_dim: int) -> int:
 
 def mlp_matmuls(mlp: str) -> int:
     """Matmuls of width [H, mlp_width] one token passes through in the MLP (FLOPs: 2 H W each)."""
-    return {"none": 0, "gelu": 2, "geglu": 3, "swiglu": 3}[mlp]
+    return {"none": 0, "gelu": 2, "geglu": 3, "swiglu": 3, "rwkv": 2}[mlp]
 
 
 class ChannelMLP(nn.Module):
     """The block's channel mixer, applied to every position alike: x [..., H] -> [..., H] (see the module
-    docstring for the kinds). Dense layers with Flax's defaults (lecun_normal kernels, zero biases)."""
+    docstring for the kinds); rwkv's token shift reads the step before, x [T, B, H]. Dense layers with Flax's
+    defaults (lecun_normal kernels, zero biases), rwkv's with its reference's."""
 
     kind: str  # one of MLPS other than none
     expand: float = 2.0
@@ -53,6 +57,13 @@ class ChannelMLP(nn.Module):
         dense = functools.partial(nn.Dense, use_bias=self.bias, dtype=self.dtype)
         if self.kind == "gelu":
             hidden = nn.gelu(dense(width, name="up")(x))
+        elif self.kind == "rwkv":
+            h = x.shape[-1]
+            mu = self.param("mu", lambda key, shape: 1 - jnp.arange(h, dtype=jnp.float32) / h, (h,))
+            delta = jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]]) - x  # x_{t-1} - x_t, x_{-1} = 0
+            up = dense(width, kernel_init=nn.initializers.orthogonal(), name="up")
+            hidden = jnp.square(nn.relu(up(x + delta * mu.astype(x.dtype))))
+            return dense(x.shape[-1], kernel_init=nn.initializers.zeros_init(), name="down")(hidden)
         elif self.kind in GATES:
             hidden = GATES[self.kind](dense(width, name="gate")(x)) * dense(width, name="up")(x)
         else:

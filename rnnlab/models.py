@@ -165,7 +165,8 @@ class RecurrentLayer(nn.Module):
                                    **dict(self.cell_options))
         width = cell.input_width
         fan_in = x.shape[-1] if projection is None else projection[0].shape[-1]
-        w_xh = self.param("W_xh", cell.input_init(), (fan_in, width))
+        # A cell with no input term (rwkv7 projects x itself) has no W_xh: Orbax saves no empty arrays.
+        w_xh = self.param("W_xh", cell.input_init(), (fan_in, width)) if width else jnp.zeros((fan_in, 0), jnp.float32)
         b = self.param("b", cell.bias_init(), (width,)) if cell.input_bias else jnp.zeros((width,), jnp.float32)
         params = CellParams(cell, name="cell")()
         ids = is_token_ids(x)

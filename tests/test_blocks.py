@@ -86,18 +86,21 @@ PAPER_BLOCKS = {
     "attention": ("residual", "gelu", 4, True),  # GPT-2, Zoology's TransformerBlock
     "mamba": ("residual", "none", None, None),  # Mamba's blocks: no MLP
     "mamba2": ("residual", "none", None, None),  # Mamba-2's too (d_intermediate=0)
+    "mlstm": ("residual", "none", None, None),  # the xLSTM's mLSTM block: up-projection inside the layer, no MLP
     "gla": ("residual", "swiglu", 2.667, False),  # flash-linear-attention's models: SwiGLU, 4H x 2/3
     "linear_attention": ("residual", "swiglu", 2.667, False),
     "deltanet": ("residual", "swiglu", 2.667, False),
     "gated_deltanet": ("residual", "swiglu", 2.667, False),
     "deltaproduct": ("residual", "swiglu", 2.667, False),  # fla's GatedDeltaProduct model
     "rglru": ("residual", "geglu", 3, False),  # Griffin: gated GELU MLP, expansion 3
+    "slstm": ("residual", "geglu", 1.333, False),  # xLSTM's sLSTM block: GELU-gated, 4/3
     "lru": ("residual", "geglu", 2, False),
     "mingru": ("residual", "geglu", 2, False),
     "minlstm": ("residual", "geglu", 2, False),
     "rnn": ("plain", None, None, None),
     "lstm": ("plain", None, None, None),
     "gru": ("plain", None, None, None),
+    "rwkv7": ("residual", "rwkv", 4, False),  # RWKV-7's block: token-shifted relu^2 channel mix, 4H (fla's RWKV7FeedForward)
 }
 
 
@@ -123,7 +126,7 @@ def test_a_model_config_without_the_mlp_keys_gets_the_gated_mlp():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=attention", "model.mlp=relu"], r"^key 'model.mlp': got 'relu', allowed: none, gelu, geglu, swiglu$"),
+    (["model=attention", "model.mlp=relu"], r"^key 'model.mlp': got 'relu', allowed: none, gelu, geglu, swiglu, rwkv$"),
     (["model=attention", "model.mlp_expand=0"], r"^key 'model.mlp_expand': got 0.0, must be in \(0, 64\]"),
     (["model=attention", "model.mlp_expand=1e9"], r"^key 'model.mlp_expand': got 1000000000.0, must be in"),
     (["model=attention", "model.mlp_expand=nan"], r"^key 'model.mlp_expand': got nan, expected a finite number"),

@@ -1,6 +1,7 @@
-"""What several cell families share: the short causal convolution over time and the initialisers of the
-papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay). One definition each,
-so that a cell states which reference it follows by the name it imports."""
+"""What several cell families share: the short causal convolution over time, the initialisers of the
+papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay) and the option checks
+(one line per key). One definition each, so that a cell states which reference it follows by the name
+it imports."""
 
 from __future__ import annotations
 
@@ -19,6 +20,23 @@ def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> ja
     padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
     out = sum(padded[k:k + length] * w[k] for k in range(width))
     return out if bias is None else out + bias
+
+
+def divisor_problem(key: str, value: int, width: int, width_name: str = "hidden_dim") -> str | None:
+    """The one line for a cell option (heads, blocks) that must be >= 1 and divide `width`; None if it does."""
+    if value < 1 or width % value:
+        return f"key '{key}': got {value}, must be >= 1 and divide {width_name} ({width})"
+    return None
+
+
+def at_least_problem(key: str, value: float, least: float, note: str = "") -> str | None:
+    """The one line for a cell option below `least` (`note`: what a boundary value means); None if not."""
+    return f"key '{key}': got {value}, must be >= {least}{note}" if value < least else None
+
+
+def first_problem(*problems: str | None) -> str | None:
+    """The first of a cell's option problems, in the order its keys are listed; None if none."""
+    return next((p for p in problems if p), None)
 
 
 def uniform(bound: float):

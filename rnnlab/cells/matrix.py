@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, uniform
+from rnnlab.cells.common import at_least_problem, causal_conv, divisor_problem, first_problem, uniform
 from rnnlab.cells.registry import SequenceCell
 
 NORM_EPS = 1e-6
@@ -85,14 +85,9 @@ class MatrixCell(SequenceCell):
         return self.num_heads * self.head_dim * self.head_dim
 
     def option_problem(self):
-        if self.num_heads < 1 or self.hidden_dim % self.num_heads:
-            return (f"key 'model.num_heads': got {self.num_heads}, must be >= 1 and divide hidden_dim "
-                    f"({self.hidden_dim})")
-        if self.conv_size < 0:
-            return f"key 'model.conv_size': got {self.conv_size}, must be >= 0 (0 = no convolution)"
-        if self.chunk_size < 1:
-            return f"key 'model.chunk_size': got {self.chunk_size}, must be >= 1"
-        return None
+        return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
+                             at_least_problem("model.conv_size", self.conv_size, 0, " (0 = no convolution)"),
+                             at_least_problem("model.chunk_size", self.chunk_size, 1))
 
     def param_specs(self):
         h = self.hidden_dim
