@@ -156,6 +156,20 @@ def test_layer_matches_numpy(time_scan):
     assert_close(out, numpy_layer(params, x), rtol=5e-5)
 
 
+@pytest.mark.parametrize("time_scan", ["chunked", "sequential"])
+def test_layer_gradients_are_finite_where_the_input_is_zero(time_scan):
+    """Padded steps (data.min_seq_len) feed zeros: kappa = k k_k / |k k_k| must keep a finite gradient there."""
+    cell, params = cell_and_params()
+    x = np.random.default_rng(8).normal(size=(9, B, H))
+    x[5:] = 0.0
+
+    def loss(p):
+        return jnp.sum(cell.mix(p, jnp.zeros((9, B, 0)), jnp.float32(x), time_scan, 1, "autodiff") ** 2)
+
+    grads = jax.grad(loss)(jax.tree_util.tree_map(jnp.float32, params))
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
+
+
 def test_layer_ranks_default_from_the_width():
     cell = get_cell("rwkv7")(64)
     assert cell.ranks() == (20, 20, 40)

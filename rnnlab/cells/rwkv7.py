@@ -138,7 +138,8 @@ class RWKV7(SequenceCell):
         a = jax.nn.sigmoid(((lerp["x_a"] @ p["a_1"]) @ p["a_2"] + p["a_0"]).astype(f32))
         g = jax.nn.sigmoid(lerp["x_g"] @ p["g_1"]) @ p["g_2"]
         kk = self.split_heads((k * p["k_k"]).astype(f32))
-        kk = kk / jnp.maximum(jnp.sqrt(jnp.sum(kk * kk, axis=-1, keepdims=True)), 1e-12)  # F.normalize's
+        # F.normalize's max(|kk|, 1e-12), as sqrt(max(|kk|^2, 1e-24)): finite gradients where kk = 0 (padding)
+        kk = kk * jax.lax.rsqrt(jnp.maximum(jnp.sum(kk * kk, axis=-1, keepdims=True), 1e-24))
         k = (k * (1 + (a - 1) * p["k_a"])).astype(x.dtype)
         r, k, v, a, log_w = (self.split_heads(y) for y in (r, k, v, a, log_w))
         if time_scan == "chunked":
