@@ -111,6 +111,7 @@ def test_bad_eval_lengths_name_the_key_and_what_is_allowed(overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # the line itself is checked in process above; this is train.py's exit code around it
 def test_train_py_exits_2_with_one_line_for_a_bad_data_key(tmp_path):
     from conftest import TINY, run_train
 

@@ -168,7 +168,7 @@ SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCh
                 database=None)
 
 
-@settings(max_examples=30, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(override_lists())
 # Found by this fuzzer, then fixed (each was exit 1 with a traceback):
 @example(["checkpoint.allow_changes.y=0"])  # OmegaConf's int('y') for a key inside a list

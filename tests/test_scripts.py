@@ -170,3 +170,10 @@ def test_bench_scans_as_configured_takes_each_config_and_reads_train_peak_rss(tm
     rows = result["rows"]
     assert [(row["cell"], row["time_scan"]) for row in rows] == [("mamba2", "chunked"), ("gru", "sequential")]
     assert all(row["train_exit"] == 0 and 200 < row["train_rss_mib"] < 8000 for row in rows)
+
+
+@pytest.mark.slow
+def test_first_step_runs_each_cell_from_empty_caches_and_reads_its_results(capsys):
+    (row,) = load_script("first_step").main(["--cells", "rnn", "--set", "steps=2"])
+    assert row["cell"] == "rnn" and 0 < row["compile"] < row["run_wall"] < row["process_wall"]
+    assert "| rnn |" in capsys.readouterr().out

@@ -71,12 +71,15 @@ def check_task(config, choice):
         assert config.data.seq_len % 2 and all(n % 2 for n in lengths)
 
 
-def test_the_state_tracking_zoo_composes_every_job_of_its_sweep():
+@pytest.mark.parametrize("cells", [pytest.param(("rnn", "mamba", "deltaproduct", "attention"), id="four-families"),
+                                   pytest.param(None, id="every-cell", marks=pytest.mark.slow)])
+def test_the_state_tracking_zoo_composes_every_job_of_its_sweep(cells):
     params = st_params()
     assert sorted(params["model"].split(",")) == PACKAGE_CELLS == sorted(swept_models("zoo_parity"))
     assert params["state_tracking"].split(",") == ["parity", "modular_arithmetic", "s3", "a5"]
     jobs = sweep_jobs([f"experiment={ST}"])
     assert len(jobs) == 4 * len(PACKAGE_CELLS) * 4  # tasks x cells x lrs, one seed
+    jobs = [j for j in jobs if cells is None or j["model"] in cells]
     for job in {(j["state_tracking"], j["model"]): j for j in jobs}.values():  # one lr and seed: they validate alike
         config = compose_config([f"experiment={ST}", *(f"{k}={v}" for k, v in job.items())])
         check_task(config, job["state_tracking"])

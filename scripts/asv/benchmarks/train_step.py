@@ -19,6 +19,9 @@ QUICK_ROWS = {  # name: (cell, H, B, T, L)
     "lstm-100x32x100": ("lstm", 100, 32, 100, 1),
     "gru-128x1x2000": ("gru", 128, 1, 2000, 1),
     "deltanet-64x16x256": ("deltanet", 64, 16, 256, 1),
+    "slstm-100x32x100": ("slstm", 100, 32, 100, 1),  # beside the LSTM's row: the same width, batch and length
+    "mlstm-64x16x256": ("mlstm", 64, 16, 256, 1),
+    "rwkv7-64x16x256": ("rwkv7", 64, 16, 256, 1),
 }
 
 
