@@ -61,6 +61,14 @@ class ModelConfig:
     mlp: str = "geglu"
     mlp_expand: float = 2.0
     mlp_bias: bool = False
+    # Hybrid stacks: the cells of the layers, a list repeated to num_layers (its length divides num_layers,
+    # or equals it: one cell per layer); empty: every layer is `cell`, today's model. `cell` must be one of
+    # them: its layers run with the keys above (init, activation, forget_bias, recurrence, time_scan, and its
+    # options below); a layer of another cell with that cell's class defaults (`Cell.default_init`,
+    # `default_recurrence`, `default_form()`, its dataclass's options). Model-wide, as in Jamba, Samba,
+    # Griffin and fla's hybrids (one block and MLP after every mixer): hidden_dim, block, mlp, mlp_expand,
+    # mlp_bias, dtype, unroll, dropout, remat, scan_layers, stack_init (`layer_cells`, rnnlab.models.LayerStack).
+    pattern: tuple[str, ...] = ()
     # The chosen cell's own keys (its dataclass fields beyond `Cell`'s, e.g. lru's r_min), as (name, value)
     # pairs: they sit beside the others under `model:` and are filled from the cell's defaults.
     options: tuple[tuple[str, Any], ...] = ()
@@ -68,6 +76,43 @@ class ModelConfig:
     def make_cell(self) -> cells.Cell:
         """The configured cell (a frozen, hashable `rnnlab.cells.Cell`)."""
         return cells.get_cell(self.cell)(self.hidden_dim, self.init, self.activation, self.forget_bias,
+                                         **dict(self.options))
+
+    def layer_cells(self) -> tuple[LayerCell, ...]:
+        """The cells of one period of the layer pattern, in order: `(cell,)` without a pattern (or with a
+        pattern of that cell alone), else the shortest list that `pattern` repeats (so [a, b, a, b] is [a, b]),
+        each with the keys its layers run with (the `ModelConfig` comment on `pattern`). Layer i runs
+        `layer_cells()[i % len(layer_cells())]`."""
+        names = self.pattern or (self.cell,)
+        period = next(p for p in range(1, len(names) + 1)
+                      if len(names) % p == 0 and names == names[:p] * (len(names) // p))
+        own = LayerCell(self.cell, self.init, self.activation, self.forget_bias, self.recurrence, self.time_scan,
+                        self.options)
+        return tuple(own if name == self.cell else LayerCell.defaults(name) for name in names[:period])
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCell:
+    """A cell of the layer pattern (`ModelConfig.layer_cells`) with the keys its layers run with."""
+
+    cell: str
+    init: str
+    activation: str
+    forget_bias: float
+    recurrence: str
+    time_scan: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def defaults(cls, name: str) -> LayerCell:
+        """The registered cell `name` with its class's defaults (a layer of a cell other than `model.cell`)."""
+        kind = cells.get_cell(name)
+        base = cells.Cell(1)
+        return cls(name, kind.default_init, base.activation, base.forget_bias, kind.default_recurrence,
+                   kind.default_form())
+
+    def make(self, hidden_dim: int) -> cells.Cell:
+        return cells.get_cell(self.cell)(hidden_dim, self.init, self.activation, self.forget_bias,
                                          **dict(self.options))
 
 
@@ -410,6 +455,37 @@ def _validate_model(c: Config) -> None:
         raise ConfigError(problem)
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
+    _validate_pattern(m)
+
+
+def _validate_pattern(m: ModelConfig) -> None:
+    """`model.pattern`: registered cells, a length that divides num_layers, `model.cell` among them, and
+    each other cell's layers runnable with its defaults and the model-wide keys."""
+    if not m.pattern:
+        return
+    for name in m.pattern:
+        check_choice("model.pattern", name, cells.cell_names())
+    shown = "[" + ",".join(m.pattern) + "]"
+    if m.num_layers % len(m.pattern):
+        raise ConfigError(f"key 'model.pattern': got {shown} ({len(m.pattern)} cells), which does not divide "
+                          f"num_layers={m.num_layers}; allowed: a list whose length divides num_layers (it repeats "
+                          f"num_layers / its length times) or equals it (a cell per layer)")
+    if m.cell not in m.pattern:
+        raise ConfigError(f"key 'model.pattern': got {shown}, without model.cell={m.cell!r} (the cell whose keys the "
+                          f"model config holds); add it, or choose model=<one of the pattern's cells>")
+    for spec in m.layer_cells():
+        if spec.cell == m.cell:
+            continue
+        cell = spec.make(m.hidden_dim)
+        problem = cell.option_problem()
+        if problem:
+            raise ConfigError(f"key 'model.pattern': cell {spec.cell!r} runs with its defaults, which do not fit: "
+                              f"{problem.removeprefix('key ')}")
+        if m.remat and (isinstance(cell, cells.SequenceCell) or spec.recurrence != "autodiff"):
+            raise ConfigError(f"key 'model.remat': got true, but pattern cell {spec.cell!r} "
+                              + ("mixes the whole sequence at once" if isinstance(cell, cells.SequenceCell) else
+                                 f"runs its default recurrence {spec.recurrence} (remat needs autodiff)")
+                              + "; allowed: false")
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:

@@ -52,6 +52,10 @@ hardware work, not model FLOPs, and is left out of MFU as the convention asks. T
 count does not depend on `model.dtype`, `unroll` or `scan_layers`; the peak does (per
 kind: dtype and precision).
 
+A hybrid (`model.pattern`) sums each layer's own cell (its G, R and `mixing_flops` with its
+`time_scan`) in the per-layer terms above; its first layer never folds the projection
+(`models.folds_first_layer`), so its input costs the unfolded terms.
+
 Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
 default `~/.cache/rnnlab/`), or measures a quick one (an N=1024 matmul, about a
@@ -110,16 +114,22 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     steps (see the module docstring); `token_inputs`: the inputs are token ids of `input_dim`
     symbols, else `input_dim` floats; `devices`: the data-parallel devices the step is split over
     (each embeds tokens / devices ids, which decides the fold of ids)."""
-    cell = model.make_cell()
-    h, gh, layers = model.hidden_dim, cell.input_width, model.num_layers
-    matmul = 2 * h * gh  # one [H, W] input weight applied to one token
+    # Each layer's cell: one period of the layer pattern (`ModelConfig.layer_cells`, one cell without a
+    # pattern), repeated `groups` times; layer 0 is the period's first.
+    specs = model.layer_cells()
+    groups = model.num_layers // len(specs)
+    h = model.hidden_dim
+    layer_cells = [spec.make(h) for spec in specs]
+    gh = layer_cells[0].input_width
+    matmul = 2 * h * gh  # layer 0's [H, W] input weight applied to one token
     # Per layer and token besides its input term: the cell's recurrent matmul, the residual MLP; per
     # layer and sequence: the cell's other matmuls (`Cell.mixing_flops`, which may depend on the length).
-    per_layer = cell.recurrent_flops()
+    mlp = blocks.mlp_matmuls(model.mlp) * 2 * h * blocks.mlp_width(model.mlp_expand, h) if model.block == "residual" else 0
+    recurrent = groups * sum(cell.recurrent_flops() for cell in layer_cells)  # every layer's, per token
+    layers_per_token = recurrent + model.num_layers * mlp
+    rest_inputs = groups * sum(2 * h * cell.input_width for cell in layer_cells) - matmul  # layers 1 .. L-1's x W_xh
     sequences = tokens // seq_len
-    mixing = layers * cell.mixing_flops(seq_len, model.time_scan) * sequences
-    if model.block == "residual":
-        per_layer += blocks.mlp_matmuls(model.mlp) * 2 * h * blocks.mlp_width(model.mlp_expand, h)
+    mixing = groups * sum(cell.mixing_flops(seq_len, spec.time_scan) for cell, spec in zip(layer_cells, specs)) * sequences
     readout = 2 * h * output_dim
     if models.folds_first_layer(model, input_dim, tokens // devices if token_inputs else None):
         # x (P W_xh): its input is data, no dX; for token ids a gather, no matmul at all.
@@ -131,11 +141,12 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
         first_input = matmul  # x_1 W_xh of layer 0, after x_1 = x P + c (token ids: a gather of P's rows)
         projection = data_input = 0 if token_inputs else 2 * input_dim * h
         per_step_forward = per_step_backward = 0
-    forward = projection + first_input + layers * per_layer + (layers - 1) * matmul + readout
+    forward = projection + first_input + layers_per_token + rest_inputs + readout
     backward = 2 * forward - data_input
     # Remat reruns the scanned step: the cell's step and the input matmul (inside the scan on the autodiff path).
-    recompute = layers * cell.recurrent_flops() + first_input + (layers - 1) * matmul if model.remat else 0
-    recompute_mixing = layers * cell.mixing_recompute_flops(seq_len, model.time_scan) * sequences
+    recompute = recurrent + first_input + rest_inputs if model.remat else 0
+    recompute_mixing = groups * sum(cell.mixing_recompute_flops(seq_len, spec.time_scan)
+                                    for cell, spec in zip(layer_cells, specs)) * sequences
     return StepFlops(forward * tokens + mixing + per_step_forward, backward * tokens + 2 * mixing + per_step_backward,
                      recompute * tokens + recompute_mixing)
 

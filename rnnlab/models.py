@@ -11,7 +11,9 @@ Parameter layout (`model.scan_layers=true`, the default)::
     stack/layers/{W_xh f32[L-1, H, G*H], b f32[L-1, G*H], cell/{... f32[L-1, ...]}}   <- stacked on axis 0
     readout/{kernel f32[H, O], bias f32[O]}
 
-Layers 1 .. L-1 are one `nn.scan` (absent when L = 1). The first layer stands apart
+Layers 1 .. L-1 are one `nn.scan` (absent when L = 1). A hybrid (`model.pattern` of period
+p > 1, `ModelConfig.layer_cells`) is laid out by groups of p layers instead (`LayerStack`):
+`stack/groups/layer_<i>/...` for the pattern's i-th cell, stacked [L / p, ...]. The first layer stands apart
 because it folds the input projection into its input weights (`fold_projection`):
 the function is the same, the work much smaller. With `scan_layers=false` the stack is
 a Python loop and layer i lives under `layer_{i}/` with the same leaves, unstacked;
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 from rnnlab import onednn
 from rnnlab.blocks import ResidualBlock
 from rnnlab.cells import Cell, SequenceCell, get_cell
-from rnnlab.config import ModelConfig
+from rnnlab.config import LayerCell, ModelConfig
 from rnnlab.embedding import embed, is_token_ids, project  # noqa: F401  (embed: models.embed, as before)
 from rnnlab.recurrence import linear, recurrence
 
@@ -86,7 +88,10 @@ def folds_projection(input_dim: int, hidden_dim: int, tokens: int | None = None)
 def folds_first_layer(config: ModelConfig, input_dim: int, tokens: int | None = None) -> bool:
     """Whether this model's first layer folds the input projection (`folds_projection`; `tokens`:
     the token ids of a step on one device, None for float inputs): not where a residual block or
-    the cell itself needs the projected input x P + c."""
+    the cell itself needs the projected input x P + c. A hybrid's never does: its stack applies the
+    projection before the scan over its groups (`LayerStack`)."""
+    if len(config.layer_cells()) > 1:
+        return False
     cell = get_cell(config.cell)
     return (config.block == "plain" and not cell.uses_layer_input
             and folds_projection(input_dim, config.hidden_dim, tokens=tokens))
@@ -213,6 +218,20 @@ class RecurrentLayer(nn.Module):
         return hs
 
 
+class LayerGroup(nn.Module):
+    """One period of a hybrid's pattern: its layers in order, `layer_<i>` the pattern's i-th cell, each its
+    own class and fields (`members`: (class, fields as (name, value) pairs)). Call signature
+    `(x, unused) -> (x, None)`, so that the stack scans it over the groups."""
+
+    members: tuple[tuple[Any, tuple[tuple[str, Any], ...]], ...]
+
+    @nn.compact
+    def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
+        for i, (layer_class, fields) in enumerate(self.members):
+            x, _ = layer_class(**dict(fields), name=f"layer_{i}")(x)
+        return x, None
+
+
 class LayerStack(nn.Module):
     """`num_layers` `RecurrentLayer`s: the first, then the rest as one `nn.scan` or a Python loop.
 
@@ -224,6 +243,15 @@ class LayerStack(nn.Module):
     (Flax issue #1771) instead of running init through the scan; the parameters have the
     same layout. In that mode init returns the stack's input unchanged as the scanned
     part's output (same shape; `Module.init` keeps only the parameters).
+
+    A hybrid (`pattern`: p > 1 entries, one per cell of the pattern's period, each the `RecurrentLayer`
+    fields that cell's layers run with; `ModelConfig.layer_cells`) applies the input projection first
+    (x P + c: no fold) and then scans ONE `LayerGroup` of its p layers over the `num_layers / p` groups,
+    so it compiles p layers whatever the depth. Parameters: `groups/layer_<i>/...` (i < p, the
+    pattern's i-th cell, in its block) stacked [num_layers / p, ...]; with `scan_layers=false`
+    `layer_<j>/...` for every layer j, unstacked (layer j is the pattern's cell j mod p), as for one
+    cell. With no pattern, or one of a single cell, the layout above, unchanged. `stack_init="vmap"`
+    initialises the groups as `jax.vmap` of one group's init.
     """
 
     hidden_dim: int
@@ -235,18 +263,30 @@ class LayerStack(nn.Module):
     layer_options: tuple[tuple[str, Any], ...] = ()  # further RecurrentLayer fields, as (name, value) pairs
     block: str = "plain"  # plain: RecurrentLayer | residual: blocks.ResidualBlock around it
     block_fields: tuple[tuple[str, Any], ...] = ()  # residual only: its MLP (mlp, mlp_expand, mlp_bias)
+    # A hybrid: per cell of the pattern's period, the RecurrentLayer fields its layers run with (cell,
+    # cell_options, init_scheme, activation, forget_bias, recurrence, time_scan) over `layer_options`
+    pattern: tuple[tuple[tuple[str, Any], ...], ...] = ()
 
-    @nn.compact
-    def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
-        """x: [T, B, H], or the raw input [T, B, I] or token ids int32[T, B] with `projection` (kernel
-        [I, H], bias [H]) -> [T, B, H] (time-major)."""
+    def _layer(self, i: int = 0) -> tuple[Any, dict[str, Any]]:
+        """(module class, fields) of a layer of the pattern's i-th cell, in the model's block."""
         kwargs = dict(hidden_dim=self.hidden_dim, init_scheme=self.init_scheme, activation=self.activation,
                       **dict(self.layer_options))
+        if self.pattern:
+            kwargs.update(self.pattern[i])
         layer_class = RecurrentLayer
         if self.block == "residual":
             layer_class = ResidualBlock
             kwargs = dict(hidden_dim=kwargs.pop("hidden_dim"), cell=kwargs.pop("cell"), layer_class=RecurrentLayer,
                           layer_fields=tuple(kwargs.items()), **dict(self.block_fields))
+        return layer_class, kwargs
+
+    @nn.compact
+    def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
+        """x: [T, B, H], or the raw input [T, B, I] or token ids int32[T, B] with `projection` (kernel
+        [I, H], bias [H]) -> [T, B, H] (time-major)."""
+        if len(self.pattern) > 1:
+            return self._groups(x, projection)
+        layer_class, kwargs = self._layer()
         x, _ = layer_class(**kwargs, name="layer_0")(x, projection=projection)
         rest = self.num_layers - 1
         if rest == 0:
@@ -268,6 +308,30 @@ class LayerStack(nn.Module):
         x, _ = stack(**kwargs, name="layers")(x, None)
         return x
 
+    def _groups(self, x: jax.Array, projection: Any) -> jax.Array:
+        """A hybrid: the projection, then one scan of a `LayerGroup` over the groups (or a Python loop)."""
+        period = len(self.pattern)
+        if projection is not None:  # x P + c here, once, so that the first group is the scan's body too
+            dtype = dict(self.layer_options).get("dtype", jnp.float32)
+            kernel, bias = (a.astype(dtype) for a in projection)
+            x = project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias
+        if not self.scan_layers:
+            for j in range(self.num_layers):
+                layer_class, kwargs = self._layer(j % period)
+                x, _ = layer_class(**kwargs, name=f"layer_{j}")(x)
+            return x
+        members = tuple((cls, tuple(kwargs.items())) for cls, kwargs in map(self._layer, range(period)))
+        groups = self.num_layers // period
+        if self.stack_init == "vmap" and self.is_initializing():
+            stack = nn.vmap(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=None,
+                            axis_size=groups)
+            stack(members, name="groups")(x, None)
+            return x
+        stack = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                        length=groups)
+        x, _ = stack(members, name="groups")(x, None)
+        return x
+
 
 class RecurrentModel(nn.Module):
     """Input projection -> recurrent layer stack -> per-time-step linear readout.
@@ -279,6 +343,8 @@ class RecurrentModel(nn.Module):
     config: ModelConfig
     output_dim: int
     input_dim: int | None = None  # the symbols of token-id inputs (needed for them); float inputs: I, if given
+    # A hybrid's cells with their recurrence resolved for the platform (`build_model`); (): `config.layer_cells()`
+    layer_cells: tuple[LayerCell, ...] = ()
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
@@ -302,8 +368,13 @@ class RecurrentModel(nn.Module):
         x = jnp.swapaxes(x, 0, 1)  # time-major [T, B, I] or [T, B]: the stack runs time-major throughout
         projection = InputProjection(c.hidden_dim, name="input_proj")(input_dim)
         block_fields = (("mlp", c.mlp), ("mlp_expand", c.mlp_expand), ("mlp_bias", c.mlp_bias))
+        specs = self.layer_cells or c.layer_cells()
+        pattern = () if len(specs) == 1 else tuple(
+            (("cell", s.cell), ("cell_options", s.options), ("init_scheme", s.init), ("activation", s.activation),
+             ("forget_bias", s.forget_bias), ("recurrence", s.recurrence), ("time_scan", s.time_scan))
+            for s in specs)
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
-                       layer_options, c.block, block_fields, name="stack")(x, projection)
+                       layer_options, c.block, block_fields, pattern, name="stack")(x, projection)
         if c.block == "residual":
             x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
@@ -317,18 +388,26 @@ def build_model(config: ModelConfig, output_dim: int, platform: str | None = Non
     with `model.unroll=null` resolved for that platform (`default_unroll`)."""
     platform = platform or jax.default_backend()
     unroll = config.unroll or default_unroll(platform)
-    return RecurrentModel(dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform)),
-                          output_dim, input_dim)
+    config = dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform))
+    specs = config.layer_cells()
+    if len(specs) > 1:  # each cell's own recurrence resolved alike (the LSTM's default is auto)
+        specs = tuple(dataclasses.replace(s, recurrence=_resolve(s.recurrence, config.hidden_dim, platform))
+                      for s in specs)
+        return RecurrentModel(config, output_dim, input_dim, specs)
+    return RecurrentModel(config, output_dim, input_dim)
 
 
 def resolve_recurrence(config: ModelConfig, platform: str) -> str:
     """`model.recurrence`, or "custom_vjp" where an "onednn" or "auto" layer cannot run oneDNN's kernel
     (not on CPU, or the kernel not built); a one-line notice where that changes an explicit "onednn",
     or an "auto" whose width would take it."""
-    recurrence = config.recurrence
+    return _resolve(config.recurrence, config.hidden_dim, platform)
+
+
+def _resolve(recurrence: str, hidden_dim: int, platform: str) -> str:
     if recurrence not in ("onednn", "auto"):
         return recurrence
-    if recurrence == "auto" and (platform != "cpu" or not onednn.prefers(onednn.MIN_BATCH, config.hidden_dim)):
+    if recurrence == "auto" and (platform != "cpu" or not onednn.prefers(onednn.MIN_BATCH, hidden_dim)):
         return "custom_vjp"  # no layer of this width would take the kernel: do not build or load it
     ok, why = onednn.available() if platform == "cpu" else (False, f"oneDNN's kernel runs on CPU, not {platform}")
     if not ok:
@@ -342,9 +421,15 @@ def _notice_once(message: str) -> None:
     log.warning(message)
 
 
-def stack_layer_params(params: dict, num_layers: int) -> dict:
+def stack_layer_params(params: dict, num_layers: int, period: int = 1) -> dict:
     """Python-loop params (`stack/layer_{i}/...`) -> scanned layout (`stack/layer_0/...` and
-    `stack/layers/...` with layers 1 .. L-1 stacked, [L-1, ...])."""
+    `stack/layers/...` with layers 1 .. L-1 stacked, [L-1, ...]); a hybrid's of pattern period p > 1 ->
+    `stack/groups/layer_<i>/...`, its layers i, p + i, 2p + i, ... stacked [L / p, ...]."""
+    if period > 1:
+        groups = {f"layer_{i}": jax.tree_util.tree_map(lambda *leaves: jnp.stack(leaves),
+                                                       *[params["stack"][f"layer_{j}"] for j in range(i, num_layers, period)])
+                  for i in range(period)}
+        return {**params, "stack": {"groups": groups}}
     stack = {"layer_0": params["stack"]["layer_0"]}
     if num_layers > 1:
         layers = [params["stack"][f"layer_{i}"] for i in range(1, num_layers)]

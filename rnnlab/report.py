@@ -29,6 +29,11 @@ log = logging.getLogger("rnnlab.trainer")  # the run's lines, from one logger (r
 EXAMPLES = 4  # eval examples `Reporter.log_examples` shows at each evaluation
 
 
+def model_label(model: cfg.ModelConfig) -> str:
+    """The cell, or a hybrid's pattern (`gated_deltanet+attention`), for the start line."""
+    return "+".join(model.pattern) if len(model.layer_cells()) > 1 else model.cell
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss or gradient norm became NaN or Inf at `step`."""
 
@@ -178,7 +183,7 @@ class Reporter:
         self._last_eval_by_len: dict[int, dict[str, float]] = {}
         self._skipped_updates = 0
         self._step = start_step  # the last step dispatched
-        flat = cfg.flatten(config) | {"state_floats": setup.state_floats}
+        flat = cfg.flatten(config) | {"state_floats": setup.state_floats, "model_state_floats": setup.model_state_floats}
         describe_run(self._writer, cfg.to_dict(config), flat, overrides, varied, hparam_metric_tags(
             setup.task.metric_names, config.data.eval_seq_lens), setup.task.metric_names, config.data.eval_seq_lens,
             layer_norms=config.log.histograms_every > 0)
@@ -194,7 +199,7 @@ class Reporter:
     def log_start(self, num_params: int) -> None:
         setup, task, devices = self.setup, self.setup.task, self.setup.devices
         log.info("%s task (T=%d, baseline loss %.4f) | %s, %s params | %s tokens/step, %.3g FLOPs/step", task.name,
-                 task.seq_len, task.baseline_loss, setup.config.model.cell, f"{num_params:,}",
+                 task.seq_len, task.baseline_loss, model_label(setup.config.model), f"{num_params:,}",
                  f"{self._throughput.tokens_per_step:,}", self._throughput.flops_per_step)
         log.info("%d %s device(s) x batch %d | %d steps/dispatch%s", len(devices), devices[0].platform,
                  setup.per_device, setup.steps_per_dispatch, setup.device_note)
@@ -310,7 +315,8 @@ class Reporter:
                                      for name in ("loss", *task.metric_names)}
                             for n in setup.config.data.eval_seq_lens},
             "baseline_loss": task.baseline_loss,
-            "num_params": num_params, "state_floats": setup.state_floats, "num_devices": len(setup.devices),
+            "num_params": num_params, "state_floats": setup.state_floats,
+            "model_state_floats": setup.model_state_floats, "num_devices": len(setup.devices),
             "steps_per_dispatch": setup.steps_per_dispatch, "platform": setup.devices[0].platform,
             "tokens_per_step": self._throughput.tokens_per_step, "tokens_per_sec": tokens_per_sec,
             "flops_per_step": self._throughput.flops_per_step, "flops_per_sec": flops_per_sec, "mfu": mfu,

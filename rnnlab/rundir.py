@@ -18,6 +18,7 @@ from rnnlab.config import Config, ConfigError, flatten
 # Keys that fix the shape or structure of the saved state: no resume can change them.
 STRUCTURAL_KEYS = (
     "model.cell",
+    "model.pattern",
     "model.hidden_dim",
     "model.num_layers",
     "model.scan_layers",
@@ -35,6 +36,9 @@ DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
 FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "device.num_devices",
              "device.steps_per_dispatch", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
+# Keys added after run records existed, with the value a record written before them means: an older
+# run dir resumes as the model it trained.
+ADDED_KEYS = {"model.pattern": []}
 
 
 def is_free(key: str) -> bool:
@@ -93,6 +97,7 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Se
     whatever `allowed` says. Keys missing on either side (a key added or removed by an rnnlab
     version) compare as None. A change of the task's widths (WIDTH_KEYS) is refused the same way,
     naming the data keys that changed."""
+    saved = {**ADDED_KEYS, **saved}
     for key in STRUCTURAL_KEYS:
         if key in saved and saved[key] != now.get(key):
             raise ConfigError(

@@ -54,8 +54,21 @@ class Setup:
 
     @property
     def state_floats(self) -> int:
-        """Floats of recurrent state per layer and example at the training length (`Cell.state_floats`)."""
-        return self.config.model.make_cell().state_floats(self.task.total_len)
+        """Floats of recurrent state per layer and example at the training length (`Cell.state_floats`); for a
+        hybrid (`model.pattern`) the mean over its layers, rounded (`model_state_floats` / num_layers)."""
+        model = self.config.model
+        if len(model.layer_cells()) == 1:
+            return model.make_cell().state_floats(self.task.total_len)
+        return round(self.model_state_floats / model.num_layers)
+
+    @property
+    def model_state_floats(self) -> int:
+        """Floats of recurrent state of the whole model per example at the training length: each layer's own
+        cell's (`Cell.state_floats`), summed over the layers."""
+        model = self.config.model
+        specs = model.layer_cells()
+        groups = model.num_layers // len(specs)
+        return groups * sum(spec.make(model.hidden_dim).state_floats(self.task.total_len) for spec in specs)
 
     def step_flops(self, devices: int = 1) -> int:
         """Model FLOPs of one train step over the global batch (`flops.train_step_flops`)."""

@@ -5,6 +5,7 @@ tokens/s, memory and compile time.
     python scripts/bench_scans.py --cells gla deltanet --seq-lens 1024 --repeats 3
     python scripts/bench_scans.py --cells mingru --recurrences custom_vjp autodiff   # both backwards
     python scripts/bench_scans.py --compile-layers 2 8 16            # compile seconds against depth only
+    python scripts/bench_scans.py --compile-layers 4 12 --pattern gated_deltanet gated_deltanet gated_deltanet attention
     python scripts/bench_scans.py --cells mamba attention --seq-lens 1024 4096 --memory-only   # compile, don't run
     python scripts/bench_scans.py --as-configured --seq-lens 16384 --batch 1 --memory-only --train-rss   # as trained
 
@@ -162,14 +163,18 @@ def time_row(cell: str, time_scan: str, recurrence: str, args, t: int) -> dict:
 
 
 def compile_rows(args) -> list[dict]:
+    """Compile seconds of each cell's step (as its config has it) at each of `--compile-layers`; with
+    `--pattern`, of that hybrid (`model=<its first cell> model.pattern=[...]`) instead."""
     rows = []
     print(f"compile seconds against num_layers (H={args.hidden}, B={args.batch}, T={args.seq_lens[0]}, layer scan)")
-    for cell in args.cells:
+    pattern = ["model.pattern=[" + ",".join(args.pattern) + "]"] if args.pattern else []
+    for cell in [args.pattern[0]] if args.pattern else args.cells:
+        name = "+".join(args.pattern) if args.pattern else cell
         for layers in args.compile_layers:
-            config = compose(cell, args.hidden, args.batch, args.seq_lens[0], layers, ["device.num_devices=1"])
+            config = compose(cell, args.hidden, args.batch, args.seq_lens[0], layers, ["device.num_devices=1", *pattern])
             seconds = RnnlabStep(config).compile_seconds
-            rows.append({"cell": cell, "L": layers, "compile_seconds": seconds})
-            print(f"  {cell:8} L={layers:<3} compile {seconds:6.2f} s", flush=True)
+            rows.append({"cell": name, "L": layers, "compile_seconds": seconds, "load": load()})
+            print(f"  {name:8} L={layers:<3} compile {seconds:6.2f} s | load {load():.2f}", flush=True)
     return rows
 
 
@@ -185,6 +190,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--min-seconds", type=float, default=0.5)
     parser.add_argument("--compile-layers", nargs="*", type=int, help="only compile seconds for these num_layers")
+    parser.add_argument("--pattern", nargs="*", default=[], choices=cell_names(), metavar="CELL",
+                        help="with --compile-layers: a hybrid's model.pattern instead of each cell")
     parser.add_argument("--memory-only", action="store_true", help="compile each row for its memory; run none")
     parser.add_argument("--as-configured", action="store_true",
                         help="each cell's config's own form and block (default: every form, model.block=plain)")

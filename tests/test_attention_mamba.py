@@ -32,8 +32,9 @@ def softplus(v):
     return np.log1p(np.exp(v))
 
 
-def numpy_attention(x, p, num_heads):
-    """Causal softmax attention, one query at a time, float64. x: [B, T, I] -> [B, T, H].
+def numpy_attention(x, p, num_heads, window=0):
+    """Causal softmax attention, one query at a time, float64. x: [B, T, I] -> [B, T, H]; `window` > 0:
+    query t sees keys t - window < s <= t.
 
     RoPE as a complex rotation: the pair (q_i, q_{i+d/2}) is the complex number q_i + j q_{i+d/2},
     multiplied by exp(j t 10000^(-2i/d)) at position t."""
@@ -54,9 +55,10 @@ def numpy_attention(x, p, num_heads):
             for head in range(num_heads):
                 cols = slice(head * d, (head + 1) * d)
                 query = rotate(q[b, t, cols], t)
-                scores = np.array([rotate(k[b, s, cols], s) @ query for s in range(t + 1)]) / np.sqrt(d)
+                first = max(0, t - window + 1) if window else 0
+                scores = np.array([rotate(k[b, s, cols], s) @ query for s in range(first, t + 1)]) / np.sqrt(d)
                 weights = np.exp(scores - scores.max())
-                out[b, t, cols] = (weights / weights.sum()) @ v[b, :t + 1, cols]
+                out[b, t, cols] = (weights / weights.sum()) @ v[b, first:t + 1, cols]
     return out @ p["cell"]["W_o"]
 
 
@@ -366,6 +368,7 @@ def test_mamba_starts_as_the_paper_initialises_it():
      r"^key 'model.time_scan': got 'parallel', allowed for cell 'mamba': sequential, associative, chunked"),
     (["model=mamba", "model.chunk_size=0"], r"^key 'model.chunk_size': got 0, must be >= 1"),
     (["model=attention", "model.block_size=0"], r"^key 'model.block_size': got 0, must be >= 1"),
+    (["model=attention", "model.window=-1"], r"^key 'model.window': got -1, must be >= 0 \(0 = full attention\)$"),
     (["model=attention", "model.time_scan=chunked"],
      r"^key 'model.time_scan': got 'chunked', allowed for cell 'attention': parallel, blockwise"),
 ])

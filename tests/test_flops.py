@@ -82,6 +82,7 @@ OPTIONS = [
     ["model.time_scan=chunked"],  # matrix-state cells and mamba
     ["model.time_scan=chunked", "++model.chunk_size=2"],  # T=5: the last chunk padded
     ["model.time_scan=blockwise", "++model.block_size=2"],  # attention only; T=5: the last block padded
+    ["model.time_scan=blockwise", "++model.block_size=2", "++model.window=3"],  # attention: 5 of the 6 block pairs
 ]
 
 
@@ -254,3 +255,19 @@ def test_the_peak_is_asked_for_at_the_first_rate_not_before_the_first_step_and_o
     assert len(asked) == 1 and rates["perf/mfu"] == pytest.approx(rates["perf/flops_per_sec"] / 1.0e18)
     assert meter.window_rates()["perf/steps_per_sec"] > 4 / 0.2  # the 0.2 s measurement is not in this window
     assert meter.totals()[2] is not None and len(asked) == 1
+
+
+HYBRIDS = [
+    ["model=gated_deltanet", "model.pattern=[gated_deltanet,attention]", "num_layers=4"],
+    ["model=rnn", "model.pattern=[rnn,lstm,gru]", "num_layers=3"],  # plain block: a hybrid never folds
+    ["model=mamba", "model.pattern=[mamba,attention]", "data=copy", "data.seq_len=12"],  # token ids
+    ["model=rnn", "model.pattern=[rnn,mingru]", "num_layers=4", "model.scan_layers=false", "model.block=residual"],
+]
+
+
+@pytest.mark.parametrize("overrides", fast_first(HYBRIDS, keep=2), ids=lambda o: "+".join(o[:2]))
+def test_hybrid_pattern_count_equals_the_traced_matmuls(overrides):
+    """Each layer's own cell (its input width, step, mixing with its own time_scan), summed over the layers."""
+    step, args, config, task = step_and_args([*SMALL, *overrides])
+    assert len(config.model.layer_cells()) > 1
+    assert flops.jaxpr_matmul_flops(step, *args) == analytic(config, task).executed

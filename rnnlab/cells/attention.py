@@ -4,9 +4,13 @@ one of two forms (`model.time_scan`). u_t: [B, 3H] holds q_t, k_t and v_t; heads
 
     [q_t, k_t, v_t] = u_t = x_t W_xh + b                       (per head: q_t^h, k_t^h, v_t^h in R^d)
     q~_t = RoPE(q_t, t),   k~_s = RoPE(k_s, s)                  (rotary positions, below)
-    p_ts = softmax_{s <= t}( q~_t . k~_s / sqrt(d) )           (per head; float32 whatever model.dtype)
-    o_t^h = sum_{s <= t} p_ts v_s^h
+    p_ts = softmax_{s in S_t}( q~_t . k~_s / sqrt(d) )         (per head; float32 whatever model.dtype)
+    o_t^h = sum_{s in S_t} p_ts v_s^h
     y_t = [o_t^1, ..., o_t^n] W_o                              (W_o: f32[H, H])
+
+S_t, the keys query t sees: s <= t (full causal attention, `model.window=0`), or with a sliding window
+of w >= 1 (`model.window=w`, local attention as Mistral, Griffin and Samba use it) the last w,
+t - w < s <= t, itself included (w = 1: itself alone).
 
 Positions are rotary embeddings (RoPE, Su et al. 2021) on q and k, base 10000, in the half-split
 (GPT-NeoX) convention: feature i of a head is paired with feature i + d/2, and the pair is rotated
@@ -19,29 +23,35 @@ so a score q~_t . k~_s depends on the positions through t - s alone. Positions c
 first step. Where d is odd, its last feature is not rotated (d - 1 takes the place of d above).
 No residual, norm or MLP here: `model.block=residual` puts the pre-norm block around it, which
 makes it a (pre-norm, gated-MLP) transformer block. The state a causal decoder keeps after T steps
-is its KV cache, 2 T H floats per layer and example.
+is its KV cache, 2 T H floats per layer and example (with a window, 2 min(T, w) H).
 
 Forms (`model.time_scan`), the same function:
 
-    parallel    `jax.nn.dot_product_attention(q~, k~, v, is_causal=True)`: the framework's kernel, which
-                picks cuDNN's flash attention on a GPU where it applies (bfloat16) and XLA's T x T
-                scores elsewhere (memory grows as T^2 there).
-    blockwise   flash attention in plain JAX (Dao et al. 2022): a scan over query blocks of
-                `model.block_size` steps, each an online softmax over key blocks (running max m,
-                normaliser l and output acc), with FlashAttention-2's hand-written backward, which
-                recomputes each block pair's probabilities from the saved log-sum-exp: no [T, T]
-                array is stored, memory grows as T. Every key block is visited (the future ones
-                masked), so it does the T x T work of `parallel`, in blocks.
+    parallel    `jax.nn.dot_product_attention(q~, k~, v, is_causal=True, local_window_size=(w - 1, 0))`:
+                the framework's kernel, which picks cuDNN's flash attention on a GPU where it applies
+                (bfloat16) and XLA's T x T scores elsewhere (memory and work grow as T^2 there, window
+                or not).
+    blockwise   flash attention in plain JAX (Dao et al. 2022) over blocks of `model.block_size` steps:
+                one scan over the (query block, key block) pairs that hold a visible key, an online
+                softmax along each query block's row (running max m, normaliser l and output acc),
+                with FlashAttention-2's hand-written backward, which recomputes each pair's
+                probabilities from the saved log-sum-exp (the same pairs, by key block). Query block i
+                visits key blocks j with i - K < j <= i, K = ceil((w - 1) / block) + 1 (no window: all
+                j <= i): N (N + 1) / 2 pairs of the N^2 without a window (about half the T x T work of
+                `parallel`), at most K N with one. No [T, T] array is stored: memory grows as T, and at
+                a fixed window so does the work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.registry import SequenceCell, register_cell
@@ -49,9 +59,35 @@ from rnnlab.cells.registry import SequenceCell, register_cell
 ROPE_BASE = 10000.0
 
 
-def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int) -> jax.Array:
-    """Causal softmax attention by online softmax over blocks. q, k, v: [T, B, heads, d] (rotated) ->
-    [T, B, heads, d] in v's dtype; scores, the softmax's statistics and the sums in float32.
+def key_blocks_per_query(window: int, block: int, num_blocks: int) -> int:
+    """K, the key blocks a query block of `block` steps can attend into: all N (causal: those up to
+    its own) without a window; with one, its own and the ceil((w - 1) / block) before it."""
+    return num_blocks if window == 0 else min(num_blocks, -(-(window - 1) // block) + 1)
+
+
+def block_pairs(num_blocks: int, span: int, by_key: bool = False) -> tuple:
+    """The (query block i, key block j) pairs visited, i - span < j <= i: int32 arrays i, j and `first`
+    (the pair opens its row, or with `by_key` its column). In rows (i, then j ascending) or columns (j, i)."""
+    pairs = [(i, j) for i in range(num_blocks) for j in range(max(0, i - span + 1), i + 1)]
+    if by_key:
+        pairs.sort(key=lambda ij: (ij[1], ij[0]))
+    i, j = (np.array(a, np.int32) for a in zip(*pairs))
+    outer = j if by_key else i
+    return i, j, np.concatenate([[1], outer[1:] != outer[:-1]]).astype(np.int32)
+
+
+def num_block_pairs(length: int, block_size: int, window: int) -> tuple[int, int]:
+    """(block, block pairs visited) of the blockwise form at `length` steps."""
+    block = max(1, min(block_size, length))
+    num_blocks = -(-length // block)
+    span = key_blocks_per_query(window, block, num_blocks)
+    return block, span * num_blocks - span * (span - 1) // 2
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: int, window: int = 0) -> jax.Array:
+    """Causal softmax attention by online softmax over blocks; `window` > 0: query t sees keys
+    t - window < s <= t. q, k, v: [T, B, heads, d] (rotated) -> [T, B, heads, d] in v's dtype; scores,
+    the softmax's statistics and the sums in float32.
 
     T is zero-padded to whole blocks: padded keys sit after every real query, so causality masks them."""
     length = q.shape[0]
@@ -59,59 +95,65 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, block_size: in
     num_blocks = -(-length // block)
     pad = [(0, num_blocks * block - length)] + [(0, 0)] * 3
     q, k, v = (jnp.pad(a, pad).reshape(num_blocks, block, *a.shape[1:]) for a in (q, k, v))
-    o = _flash(q, k, v)
+    o = _flash(q, k, v, window)
     return o.reshape(-1, *o.shape[2:])[:length]
 
 
-def _scores(q_i, k_j, i, j, zero):
-    """Scaled scores of query block i against key block j, the future masked: float32 [B, heads, C, C].
-    `zero`: an int 0 computed from the block's data (`_zero_from`), so that the mask is too."""
+def _scores(q_i, k_j, i, j, zero, window):
+    """Scaled scores of query block i against key block j, the future (and keys window or more steps
+    back) masked: float32 [B, heads, C, C]. `zero`: an int 0 computed from the block's data
+    (`_zero_from`), so that the mask is too."""
     block = q_i.shape[0]
     s = mm("tbnd,sbnd->bnts", q_i, k_j, q_i.dtype) / math.sqrt(q_i.shape[-1])
     offset = (i - j) * block + zero  # query t sees key s where s <= t + offset (positions within the blocks)
     visible = jnp.arange(block)[None, :] <= jnp.arange(block)[:, None] + offset
+    if window:
+        visible &= jnp.arange(block)[None, :] > jnp.arange(block)[:, None] + offset - window
     return jnp.where(visible, s, -jnp.inf)
 
 
-def _flash_forward(q, k, v):
+def _flash_forward(q, k, v, window):
     """Blocked q, k, v: [N, C, B, heads, d] -> (o: [N, C, B, heads, d] in v's dtype, the log-sum-exp of
-    each query's scores: float32 [N, B, heads, C])."""
+    each query's scores: float32 [N, B, heads, C]). One scan over the visited block pairs (`block_pairs`,
+    by rows), carrying the row's online softmax and writing its state into the outputs each pair (the
+    row's last write stands)."""
     num_blocks, block, batch, heads, d = q.shape
+    span = key_blocks_per_query(window, block, num_blocks)
+    start = (jnp.full((batch, heads, block), -jnp.inf), jnp.zeros((batch, heads, block)),
+             jnp.zeros((batch, heads, block, d)))
 
-    def query_block(_, query):
-        q_i, i = query
+    def pair(carry, ij):
+        stats, (ms, ls, accs) = carry  # [B, heads, C] twice, [B, heads, C, d]; the same for every row
+        i, j, first = ij
+        m, l, acc = (jnp.where(first, a, b) for a, b in zip(start, stats))
+        q_i, k_j, v_j = q[i], k[j], v[j]
+        s = _scores(q_i, k_j, i, j, _zero_from(q_i), window)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # -inf only where a window masks all the row's keys so far
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new) if window else m_new
+        p = jnp.exp(s - m_safe[..., None])
+        rescale = jnp.exp(m - m_safe)
+        acc = acc * rescale[..., None] + mm("bnts,sbnd->bntd", p, v_j, v.dtype)
+        l = l * rescale + jnp.sum(p, axis=-1)
+        rows = ms.at[i].set(m_new), ls.at[i].set(l), accs.at[i].set(acc)
+        return ((m_new, l, acc), rows), None
 
-        def key_block(stats, key):
-            m, l, acc = stats  # [B, heads, C] twice, [B, heads, C, d]
-            k_j, v_j, j = key
-            s = _scores(q_i, k_j, i, j, _zero_from(q_i))
-            m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # finite from block 0 on: key 0 is never masked
-            p = jnp.exp(s - m_new[..., None])
-            rescale = jnp.exp(m - m_new)
-            acc = acc * rescale[..., None] + mm("bnts,sbnd->bntd", p, v_j, v.dtype)
-            return (m_new, l * rescale + jnp.sum(p, axis=-1), acc), None
-
-        init = (jnp.full((batch, heads, block), -jnp.inf), jnp.zeros((batch, heads, block)),
-                jnp.zeros((batch, heads, block, d)))
-        (m, l, acc), _ = jax.lax.scan(key_block, init, (k, v, jnp.arange(num_blocks)))
-        o = jnp.moveaxis(acc / l[..., None], 2, 0).astype(v.dtype)  # [C, B, heads, d]
-        return None, (o, m + jnp.log(l))
-
-    _, (o, lse) = jax.lax.scan(query_block, None, (q, jnp.arange(num_blocks)))
-    return o, lse
+    rows = tuple(jnp.zeros((num_blocks, *a.shape)) for a in start)
+    (_, (m, l, acc)), _ = jax.lax.scan(pair, (start, rows), block_pairs(num_blocks, span))
+    o = jnp.moveaxis(acc / l[..., None], 3, 1).astype(v.dtype)  # [N, C, B, heads, d]
+    return o, m + jnp.log(l)
 
 
-@jax.custom_vjp
-def _flash(q, k, v):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q, k, v, window):
     """Blocked causal attention (`_flash_forward`'s o), with FlashAttention-2's backward (Dao 2023): it keeps
     q, k, v, o and the log-sum-exp, and recomputes each block pair's probabilities from them, so no
     [T, T] array and no per-block history is stored. (Autodiff of a checkpointed query block would rerun
     two products, q k^T and p v, and keep each key block's scores while differentiating it.)"""
-    return _flash_forward(q, k, v)[0]
+    return _flash_forward(q, k, v, window)[0]
 
 
-def _flash_fwd(q, k, v):
-    o, lse = _flash_forward(q, k, v)
+def _flash_fwd(q, k, v, window):
+    o, lse = _flash_forward(q, k, v, window)
     return o, (q, k, v, o, lse)
 
 
@@ -123,32 +165,31 @@ def _zero_from(x: jax.Array) -> jax.Array:
     return jnp.where(first == first, 0, 0).astype(jnp.int32)
 
 
-def _flash_bwd(residuals, do):
+def _flash_bwd(window, residuals, do):
     """dq, dk, dv. Per block pair: p = exp(s - lse), dv_j += p^T do_i, dp = do_i v_j^T,
     ds = p * (dp - rowsum(do_i * o_i)), dq_i += ds k_j / sqrt(d), dk_j += ds^T q_i / sqrt(d).
-    A scan over key blocks carries dq; each runs a scan over query blocks that carries its dk_j, dv_j."""
+    One scan over the forward's block pairs by columns: it carries dk_j, dv_j within a column, and dq."""
     q, k, v, o, lse = residuals
-    num_blocks = q.shape[0]
+    num_blocks, block = q.shape[:2]
+    span = key_blocks_per_query(window, block, num_blocks)
     dtype, scale = q.dtype, 1 / math.sqrt(q.shape[-1])
     delta = jnp.moveaxis(jnp.sum(do.astype(F32) * o.astype(F32), axis=-1), 1, -1)  # [N, B, heads, C], elementwise
+    zeros = jnp.zeros(k.shape[1:], F32)
 
-    def key_block(dq, key):
-        k_j, v_j, j = key
+    def pair(carry, ij):
+        (dk_j, dv_j), (dq, dk, dv) = carry
+        i, j, first = ij
+        dk_j, dv_j = (jnp.where(first, zeros, a) for a in (dk_j, dv_j))
+        q_i, do_i, lse_i, delta_i, k_j, v_j = q[i], do[i], lse[i], delta[i], k[j], v[j]
+        p = jnp.exp(_scores(q_i, k_j, i, j, _zero_from(do_i), window) - lse_i[..., None])  # 0 where masked
+        dv_j = dv_j + mm("bnts,tbnd->sbnd", p, do_i, dtype)
+        ds = p * (mm("tbnd,sbnd->bnts", do_i, v_j, dtype) - delta_i[..., None])
+        dk_j = dk_j + mm("bnts,tbnd->sbnd", ds, q_i, dtype) * scale
+        dq = dq.at[i].add(mm("bnts,sbnd->tbnd", ds, k_j, dtype) * scale)
+        return ((dk_j, dv_j), (dq, dk.at[j].set(dk_j), dv.at[j].set(dv_j))), None
 
-        def query_block(grads, query):
-            dk_j, dv_j = grads
-            q_i, do_i, lse_i, delta_i, i = query
-            p = jnp.exp(_scores(q_i, k_j, i, j, _zero_from(do_i)) - lse_i[..., None])  # 0 where masked
-            dv_j = dv_j + mm("bnts,tbnd->sbnd", p, do_i, dtype)
-            ds = p * (mm("tbnd,sbnd->bnts", do_i, v_j, dtype) - delta_i[..., None])
-            dk_j = dk_j + mm("bnts,tbnd->sbnd", ds, q_i, dtype) * scale
-            return (dk_j, dv_j), mm("bnts,sbnd->tbnd", ds, k_j, dtype) * scale
-
-        zeros = jnp.zeros(k_j.shape, F32)
-        (dk_j, dv_j), dq_j = jax.lax.scan(query_block, (zeros, zeros), (q, do, lse, delta, jnp.arange(num_blocks)))
-        return dq + dq_j, (dk_j, dv_j)
-
-    dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(q.shape, F32), (k, v, jnp.arange(num_blocks)))
+    grads = tuple(jnp.zeros(a.shape, F32) for a in (q, k, v))
+    (_, (dq, dk, dv)), _ = jax.lax.scan(pair, ((zeros, zeros), grads), block_pairs(num_blocks, span, by_key=True))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -173,10 +214,12 @@ def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
 class Attention(SequenceCell):
     num_heads: int = 4  # heads of width hidden_dim / num_heads
     block_size: int = 128  # steps per query and key block of the blockwise form
+    window: int = 0  # 0: full causal attention; w >= 1: query t attends to keys t - w < s <= t (the last w, itself included)
 
     name = "attention"
     num_gates = 3  # q, k, v: the input term is 3H wide, one initializer block each
     time_scans = ("parallel", "blockwise")  # jax.nn.dot_product_attention | flash-style blocks (module docstring)
+    default_time_scan = "blockwise"  # conf/model/attention.yaml's: memory linear in T
 
     @property
     def head_dim(self) -> int:
@@ -191,6 +234,8 @@ class Attention(SequenceCell):
                     f"hidden_dim={self.hidden_dim} (heads of width hidden_dim / num_heads)")
         if self.block_size < 1:
             return f"key 'model.block_size': got {self.block_size}, must be >= 1"
+        if self.window < 0:
+            return f"key 'model.window': got {self.window}, must be >= 0 (0 = full attention)"
         return None
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
@@ -199,29 +244,29 @@ class Attention(SequenceCell):
         q, k, v = (a.reshape(length, batch, self.num_heads, self.head_dim) for a in jnp.split(u, 3, axis=-1))
         q, k = rope(q), rope(k)
         if time_scan == "blockwise":
-            o = blockwise_attention(q, k, v, self.block_size)
-        else:  # the kernel's layout is batch-major, [B, T, heads, d]
-            o = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 0, 1) for a in (q, k, v)), is_causal=True)
+            o = blockwise_attention(q, k, v, self.block_size, self.window)
+        else:  # the kernel's layout is batch-major, [B, T, heads, d]; its window (left, right) counts the keys besides t
+            local = {"local_window_size": (self.window - 1, 0)} if self.window else {}
+            o = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 0, 1) for a in (q, k, v)), is_causal=True, **local)
             o = jnp.swapaxes(o, 0, 1)
         return o.reshape(length, batch, self.hidden_dim) @ params["W_o"]
 
     def state_floats(self, seq_len):
-        return 2 * seq_len * self.hidden_dim  # the KV cache: k_s and v_s of every step s < T
-
-    def padded_length(self, seq_len, time_scan):
-        """The length the scores are computed over: whole blocks in the blockwise form."""
-        if time_scan != "blockwise":
-            return seq_len
-        block = min(self.block_size, seq_len)
-        return -(-seq_len // block) * block
+        # The KV cache: k_s and v_s of every step s < T, or of the last w steps with a window.
+        return 2 * (min(seq_len, self.window) if self.window else seq_len) * self.hidden_dim
 
     def mixing_flops(self, seq_len, time_scan):
-        # Per token: q_t against all T keys (2 T d per head: 2 T H), the same for p_t V (the full T x T,
-        # masked half included, as computed; blockwise: over whole blocks), and o_t W_o (2 H^2).
-        t = self.padded_length(seq_len, time_scan)
-        return t * 4 * t * self.hidden_dim + seq_len * 2 * self.hidden_dim * self.hidden_dim
+        # Per token o_t W_o (2 H^2); the scores q k^T and the sum p V, 2 H per query-key pair each, over the
+        # pairs computed: parallel, all T x T (masked ones included); blockwise, the block pairs visited.
+        return 2 * self._score_pairs(seq_len, time_scan) * 2 * self.hidden_dim + seq_len * 2 * self.hidden_dim ** 2
 
     def mixing_recompute_flops(self, seq_len, time_scan):
         # The blockwise backward recomputes the scores q k^T (p V it does not need).
-        t = self.padded_length(seq_len, time_scan)
-        return t * 2 * t * self.hidden_dim if time_scan == "blockwise" else 0
+        return self._score_pairs(seq_len, time_scan) * 2 * self.hidden_dim if time_scan == "blockwise" else 0
+
+    def _score_pairs(self, seq_len, time_scan):
+        """The (query, key) pairs whose scores the form computes, masked ones included."""
+        if time_scan != "blockwise":
+            return seq_len * seq_len
+        block, pairs = num_block_pairs(seq_len, self.block_size, self.window)
+        return pairs * block * block

@@ -28,6 +28,9 @@ class GRU(Cell):
     num_gates = 3
     prefetch = True
     torch_class = "GRU"
+    default_init = "orthogonal"  # conf/model/gru.yaml's init, recurrence, time_scan
+    default_recurrence = "custom_vjp"
+    default_time_scan = "sequential"
 
     def param_specs(self):
         return {"b_hn": ((self.hidden_dim,), nn.initializers.zeros_init()), **super().param_specs()}

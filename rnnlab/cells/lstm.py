@@ -23,6 +23,9 @@ class LSTM(Cell):
     prefetch = True
     torch_class = "LSTM"
     onednn_kernel = "lstm"
+    default_init = "orthogonal"  # conf/model/lstm.yaml's init, recurrence, time_scan
+    default_recurrence = "auto"
+    default_time_scan = "sequential"
 
     def bias_init(self):
         def init(key, shape, dtype=jnp.float32):

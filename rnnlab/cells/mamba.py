@@ -101,6 +101,8 @@ class Mamba(SequenceCell):
 
     name = "mamba"
     time_scans = ("sequential", "associative", "chunked")
+    default_recurrence = "custom_vjp"  # conf/model/mamba.yaml's (init: SequenceCell's default)
+    default_time_scan = "chunked"
     input_bias = False  # the reference's in_proj has no bias
 
     def input_init(self):

@@ -57,6 +57,7 @@ class Mamba2(SequenceCell):
 
     name = "mamba2"
     time_scans = ("sequential", "chunked")
+    default_time_scan = "chunked"  # conf/model/mamba2.yaml's (init, recurrence: SequenceCell's)
     input_bias = False  # the reference's in_proj has no bias
 
     @property

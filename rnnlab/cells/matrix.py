@@ -60,6 +60,7 @@ class MatrixCell(SequenceCell):
     chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
 
     output_gate: ClassVar[bool] = False
+    default_time_scan: ClassVar[str | None] = "chunked"  # conf/model_base/matrix_cell.yaml's (init, recurrence: SequenceCell's)
 
     @property
     def head_dim(self) -> int:

@@ -68,6 +68,7 @@ class MLSTM(SequenceCell):
 
     name = "mlstm"
     time_scans = ("parallel", "chunked", "sequential")  # [T, T] scores | chunkwise | one step at a time
+    default_time_scan = "chunked"  # conf/model/mlstm.yaml's (init, recurrence: SequenceCell's)
     input_bias = False  # the reference's up-projection has no bias
 
     @property

@@ -96,6 +96,10 @@ def shift_back(xs: jax.Array) -> jax.Array:
     return jnp.concatenate([jnp.zeros_like(xs[:1]), xs[:-1]], axis=0)
 
 
+# The form a cell without a declared `default_time_scan` runs by default: the first of these it has.
+DEFAULT_FORMS = ("chunked", "blockwise", "sequential")
+
+
 @dataclasses.dataclass(frozen=True)
 class Cell:
     """A recurrent cell of `hidden_dim` units with the model config's cell options.
@@ -119,6 +123,21 @@ class Cell:
     uses_layer_input: ClassVar[bool] = False  # reads the layer's input x itself (so layer 0 gets x P + c, unfolded)
     input_bias: ClassVar[bool] = True  # the layer adds a bias b to its input term (Mamba's in_proj has none)
     onednn_kernel: ClassVar[str | None] = None  # `model.recurrence=onednn`: the `rnnlab.onednn.KERNELS` layer it runs, if any
+    # The keys a layer of this cell runs with where the model config holds another cell's (a layer of
+    # `model.pattern` other than `model.cell`): its conf/model/<name>.yaml's `init`, `recurrence` and
+    # `time_scan`, declared once here (tests/test_hybrid.py checks that each yaml agrees). A cell that
+    # declares no `default_time_scan` gets the first of DEFAULT_FORMS it has (`default_form`).
+    default_init: ClassVar[str] = "uniform"
+    default_recurrence: ClassVar[str] = "autodiff"
+    default_time_scan: ClassVar[str | None] = None
+
+    @classmethod
+    def default_form(cls) -> str:
+        """The `time_scan` a layer of this cell runs where the model config holds another cell's keys:
+        `default_time_scan`, else the first of DEFAULT_FORMS it has (the memory-linear one), else its first."""
+        if cls.default_time_scan is not None:
+            return cls.default_time_scan
+        return next((form for form in DEFAULT_FORMS if form in cls.time_scans), cls.time_scans[0])
 
     @property
     def input_width(self) -> int:
@@ -211,6 +230,8 @@ class SequenceCell(Cell):
     layer never runs one step at a time. Its forms (`time_scans`) are its own; it differentiates
     by autodiff through them or by a backward they write by hand."""
 
+    default_init: ClassVar[str] = "default"
+
     def param_specs(self):
         return {}
 
@@ -239,6 +260,8 @@ class LinearCell(SequenceCell):
     """
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
+    default_recurrence: ClassVar[str] = "custom_vjp"
+    default_time_scan: ClassVar[str | None] = "sequential"
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
         a, b = self.coefficients(params, u, x)

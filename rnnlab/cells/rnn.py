@@ -17,6 +17,8 @@ class Elman(Cell):
     name = "rnn"
     num_gates = 1
     torch_class = "RNN"
+    default_recurrence = "custom_vjp"  # conf/model/rnn.yaml's init, recurrence, time_scan
+    default_time_scan = "sequential"
 
     def step(self, params, h, u):
         act, _ = ACTIVATIONS[self.activation]

@@ -65,6 +65,7 @@ class RWKV7(SequenceCell):
 
     name = "rwkv7"
     time_scans = ("sequential", "chunked")
+    default_time_scan = "chunked"  # conf/model/rwkv7.yaml's (init, recurrence: SequenceCell's)
     uses_layer_input = True
     input_bias = False
 

@@ -71,6 +71,8 @@ class SLSTM(SequenceCell):
     conv_size: int = 4  # taps of the causal convolution feeding i and f; 0 = off
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential",)
+    default_recurrence: ClassVar[str] = "custom_vjp"  # conf/model/slstm.yaml's (init: SequenceCell's)
+    default_time_scan: ClassVar[str | None] = "sequential"
 
     @property
     def head_dim(self) -> int:
