@@ -45,11 +45,12 @@ def configure_cpu_backend(num_devices: int | None, batch_size: int, distributed:
 # The device count by rule, from the train step's matmul FLOPs per time step (over the global batch),
 # measured on a 2-core AMD EPYC (docs/performance-notes.md, scripts/device_count_probe.py): below the
 # first bound a second device can only split the small work inside each of the scan's sequential steps
-# and loses; between the bounds one device per core won every shape probed (1.1-1.5x); above the second,
-# the matmuls already use every core and either may win, so the two are timed. The rule holds where it was
+# and loses; between the bounds one device per core won every shape probed (1.3-1.6x at 2-38 MFLOP); from
+# about 50 MFLOP the matmuls already use both cores and either may win (LSTM H=256: 1 device 1.1x faster,
+# Elman H=512: 2 devices 1.07x), so above the second bound the two are timed. The rule holds where it was
 # measured, at most RULE_DEVICES devices to choose from; with more, every step above the first bound is timed.
 ONE_DEVICE_BELOW_FLOPS_PER_TIME_STEP = 2e5
-TIMED_ABOVE_FLOPS_PER_TIME_STEP = 1e8
+TIMED_ABOVE_FLOPS_PER_TIME_STEP = 4e7
 RULE_DEVICES = 2
 LONG_DISPATCH_SECONDS = 1.0  # a warm dispatch this long is timed once: its noise is small beside it
 

@@ -40,8 +40,8 @@ def test_pattern_defaults_of_every_cell_class_agree_with_its_model_config(model)
     assert m.pattern == () and m.layer_cells() == (m.layer_cells()[0],) and len(m.layer_cells()) == 1
 
 
-@pytest.mark.parametrize("cell, scan", [("rnn", True), ("rnn", False), ("gated_deltanet", True),
-                                        ("gated_deltanet", False)])
+@pytest.mark.parametrize("cell, scan", [("rnn", True), ("rnn", False), ("gated_deltanet", False),
+                                        pytest.param("gated_deltanet", True, marks=pytest.mark.slow)])
 def test_a_one_cell_pattern_is_todays_model_bit_for_bit(cell, scan):
     """Same parameter tree (names, shapes, values) and the same outputs, exactly, for [cell] and [cell, cell]."""
     x = jax.random.normal(jax.random.key(1), (2, 6, 2))
@@ -99,6 +99,7 @@ def test_hybrid_scanned_groups_equal_the_python_loop(overrides):
     assert not np.allclose(w[0], w[1])
 
 
+@pytest.mark.slow
 def test_hybrid_stack_init_vmap_gives_the_scan_layout():
     x = jnp.ones((2, 6, 2))
     hybrid = ["model=rnn", "model.pattern=[rnn,gru]", "num_layers=4", "model.block=residual", *SMALL]

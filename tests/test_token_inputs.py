@@ -159,6 +159,7 @@ def compiled_step_text(config, task):
     return jax.jit(mapped).lower(state).compile().as_text()
 
 
+@pytest.mark.slow  # compiles a wide embedding step; the fast tier keeps the id-vs-one-hot equalities
 def test_an_8192_symbol_mqar_trains_with_no_one_hot_in_its_step(tmp_path, monkeypatch):
     overrides = ["data=mqar", "data.vocab_size=8192", "data.num_pairs=2", "data.seq_len=8", "hidden_dim=8",
                  "num_layers=1", "model=gru", "checkpoint.enabled=false", "device.steps_per_dispatch=1"]
