@@ -369,6 +369,9 @@ class Zoo:
         self.num_params = [mean(jobs, "num_params") for jobs in chosen]
         self.tokens_per_sec = [mean(jobs, "tokens_per_sec") for jobs in chosen]
         self.state_floats = [mean(jobs, "state_floats") for jobs in chosen]
+        # The whole model's recurrent state, every layer's summed (results.json's model_state_floats; older runs
+        # lack it): the state a hybrid is compared on, beside a pure stack.
+        self.model_state_floats = [mean(jobs, "model_state_floats") for jobs in chosen]
         # Where each row ran (results.json's platform): a column only when the table mixes platforms.
         self.platforms = [", ".join(sorted({str(sweep.results[j]["platform"]) for j in jobs
                                             if sweep.results[j].get("platform")})) for jobs in chosen]
@@ -378,8 +381,12 @@ class Zoo:
 
     @staticmethod
     def _cell(sweep: Sweep, choice: zoo_protocol.Choice) -> str:
+        """The setting's cell (model.cell); a hybrid's, its pattern's cells joined by '+' (model.pattern)."""
         first = choice.grid[0].jobs[0]
-        return str((sweep.configs[first].get("model") or {}).get("cell") or sweep.overrides[first].get("model") or "")
+        model = sweep.configs[first].get("model") or {}
+        if len(set(model.get("pattern") or ())) > 1:
+            return "+".join(model["pattern"])
+        return str(model.get("cell") or sweep.overrides[first].get("model") or "")
 
     def varying_keys(self, sweep: Sweep) -> dict[str, set[str]]:
         """{cell: the setting keys whose value differs among the cell's rows}."""
@@ -463,8 +470,10 @@ class Zoo:
         protocol = (f"each at its best lr of the grid on the training-length eval, mean ± sd over {seeds} seed(s)"
                     if self.lr_swept else f"one lr, mean ± sd over {seeds} seed(s)")
         mixed = len(set(self.platforms) - {""}) > 1
+        total = any(f is not None for f in self.model_state_floats)  # a column when any run recorded it
         head = ["cell", *(f"{self.metric}@{n}" + (" (train)" if n == self.seq_len else "") for n in self.lengths),
-                "lr", "seeds", "state floats", "params", "tokens/s", *["platform"] * mixed]
+                "lr", "seeds", "state floats", *["model state floats"] * total, "params", "tokens/s",
+                *["platform"] * mixed]
         lines = [f"Zoo{f' ({self.task})' if self.task else ''}: eval {self.metric} by eval length, "
                  f"{len(self.choices)} setting(s) under {self.root}{trained}; {protocol}", "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
@@ -472,7 +481,7 @@ class Zoo:
             best = self.choices[row].best
             cells = [label, *(self.value_cell(row, n) for n in self.lengths), self.lr_cell(row),
                      str(len(best.jobs)) if best else "0", fmt(self.state_floats[row], ","),
-                     fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ","),
+                     *[fmt(self.model_state_floats[row], ",")] * total, fmt(self.num_params[row], ","), fmt(self.tokens_per_sec[row], ","),
                      *[self.platforms[row] or "n/a"] * mixed]
             lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
         return "\n".join(lines)

@@ -211,8 +211,11 @@ def zoo_param_figure(zoo: Any, key: str, plt: Any) -> Any:
 
 def zoo_state_figure(zoo: Any, panel_key: str | None, plt: Any) -> Any:
     """Zoology's Figure 2: the metric at the training length against the floats of recurrent state
-    per layer (results.json's state_floats, log2 axis), a line per cell through its settings (hidden
-    sizes), a panel per value of `panel_key` (data.num_pairs) when given."""
+    (log2 axis): the whole model's (results.json's model_state_floats) where every row has it, so that hybrids
+    sit beside pure stacks, else per layer (state_floats); a line per cell or pattern through its settings
+    (hidden sizes), a panel per value of `panel_key` (data.num_pairs) when given."""
+    whole = all(f is not None for f in zoo.model_state_floats)
+    floats = zoo.model_state_floats if whole else zoo.state_floats
     panels = sorted({zoo.setting_value(r, panel_key) for r in range(len(zoo.labels))}, key=natural_key) \
         if panel_key else [None]
     cells = list(dict.fromkeys(zoo.cells))
@@ -220,13 +223,13 @@ def zoo_state_figure(zoo: Any, panel_key: str | None, plt: Any) -> Any:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1.5, 4.2), sharey=True, squeeze=False)
     for ax, panel in zip(axes[0], panels):
         for cell in cells:
-            pts = sorted((zoo.state_floats[r], zoo_train_metric(zoo, r)) for r in range(len(zoo.labels))
+            pts = sorted((floats[r], zoo_train_metric(zoo, r)) for r in range(len(zoo.labels))
                          if zoo.cells[r] == cell and (panel_key is None or zoo.setting_value(r, panel_key) == panel)
-                         and zoo.state_floats[r] and zoo_train_metric(zoo, r) is not None)
+                         and floats[r] and zoo_train_metric(zoo, r) is not None)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=cell, **palette[cell])
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="state floats per layer (log2 axis)", title=f"{panel_key}={panel}" if panel_key else "")
+        ax.set(xlabel=f"state floats {'of the model' if whole else 'per layer'} (log2 axis)", title=f"{panel_key}={panel}" if panel_key else "")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel(f"eval {zoo.metric} at seq_len {zoo.seq_len}")
     legend(axes[0][-1])
@@ -266,7 +269,8 @@ def plot(sweep: Any, zoos: Any, out: Path) -> list[Path]:
         keys = zoo.numeric_setting_keys()
         for key in keys:
             figures.append((f"zoo_{metric}_by_{file_name(key)}.png", zoo_param_figure(zoo, key, plt)))
-        if zoo.seq_len and len({f for f in zoo.state_floats if f}) > 1:
+        whole = all(f is not None for f in zoo.model_state_floats)
+        if zoo.seq_len and len({f for f in (zoo.model_state_floats if whole else zoo.state_floats) if f}) > 1:
             panel = "data.num_pairs" if "data.num_pairs" in keys else None
             figures.append((f"zoo_{metric}_by_state_floats.png", zoo_state_figure(zoo, panel, plt)))
     written = []

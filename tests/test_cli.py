@@ -53,7 +53,7 @@ def test_four_simulated_devices(tmp_path):
     [
         (["device.num_devices=4", "batch_size=30"], "'batch_size': got 30, must be divisible by the 4 devices"),
         (["model.cell=transformer"], "'model.cell': got 'transformer', allowed: attention, deltanet, gated_deltanet, deltaproduct, gla, linear_attention, "
-                                      "gru, lru, lstm, mamba, mamba2, mingru, minlstm, rglru, rnn"),
+                                      "gru, lru, lstm, mamba, mamba2, mingru, minlstm, mlstm, rglru, rnn, rwkv7, slstm"),
         (["hidden_dim=-3"], "'hidden_dim': got -3, must be > 0"),
         (["data.seq_len=abc"], "'data.seq_len': got 'abc', expected an integer"),
         (["model=lstm", "model.time_scan=associative"], "'model.time_scan': got 'associative', allowed for cell 'lstm': sequential"),

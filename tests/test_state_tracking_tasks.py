@@ -217,7 +217,7 @@ def test_a_padded_example_is_the_shorter_example_then_padding(task):
         assert (np.asarray(inputs[n:]) == task.padding_id).all() and (np.asarray(targets[n:]) == IGNORE).all()
 
 
-@pytest.mark.parametrize("task", VARIABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("task", fast_first(VARIABLE), ids=lambda t: t.name)
 def test_padding_never_changes_a_result(task):
     """A batch of padded examples scores what each example scores unpadded, through a real (causal) model."""
     model = build_model(tiny_config("model=gru", "num_layers=1").model, task.output_dim, "cpu", task.input_dim)
@@ -295,7 +295,8 @@ def test_bad_keys_exit_2_with_one_line_naming_the_key(overrides, message):
 
 # End to end: the debug=fast run train.py composes, in process (fast) and as `python train.py` (full tier).
 
-@pytest.mark.parametrize("data", [["data=word_problem", "data.group=s3"], ["data=modular_arithmetic"]], ids=lambda d: d[0])
+@pytest.mark.parametrize("data", fast_first([(["data=word_problem", "data.group=s3"],), (["data=modular_arithmetic"],)]),
+                         ids=lambda d: d[0])
 def test_debug_fast_trains_and_evaluates(data, tmp_path):
     from rnnlab.trainer import train_and_evaluate
 

@@ -353,3 +353,32 @@ def test_a_setting_missing_from_one_task_is_labelled_alike_in_every_table(tmp_pa
     assert tables["word_problem group=s3"] == ST_LABELS
     assert tables["word_problem group=a5"] == [label for label in ST_LABELS if label != "mamba allow_neg_eigval=true"
                                               and label != "deltaproduct allow_neg_eigval=true num_householder=2"]
+
+
+def test_a_hybrid_is_its_own_row_with_the_models_state_and_sits_beside_pure_stacks_on_the_state_plot(tmp_path, scripts):
+    """A swept model.pattern labels its row by the pattern's cells; the table adds the whole model's state
+    (results.json's model_state_floats) and the state plot places every row by it."""
+    patterns = {"gated_deltanet": [], "gated_deltanet+attention": ["gated_deltanet", "attention"]}
+    grid = [{"model": "gated_deltanet", "model.pattern": name, "hidden_dim": h} for name in patterns for h in (8, 16)]
+
+    def results(n, values):
+        by_len = {k: {"loss": 1 - v, "accuracy": v / (n + 1)} for k, v in LENGTHS.items()}
+        return {"eval_by_len": by_len, "eval_metrics": {"accuracy": 0.5}, "eval_metric_name": "accuracy",
+                "task": "mqar", "state_floats": 16 * (n + 1), "model_state_floats": 64 * (n + 1)}
+
+    def config(values):
+        return {"model": {"cell": "gated_deltanet", "pattern": patterns[values["model.pattern"]]},
+                "data": {"task": "mqar", "seq_len": 32}}
+
+    zoo = scripts.Zoo(scripts.Sweep(make_sweep(tmp_path / "zoo", grid, results, config)))
+    assert zoo.cells == ["gated_deltanet", "gated_deltanet", "gated_deltanet+attention", "gated_deltanet+attention"]
+    lines = zoo.markdown().splitlines()
+    assert "| state floats | model state floats | params |" in lines[2]
+    assert [line.split("|")[-4].strip() for line in lines[4:8]] == ["64", "128", "192", "256"]
+    require("matplotlib")
+    import summary_plots
+
+    fig = summary_plots.zoo_state_figure(zoo, None, summary_plots.pyplot())
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "state floats of the model (log2 axis)"
+    assert sorted(x for line in ax.get_lines() for x in line.get_xdata()) == [64, 128, 192, 256]

@@ -76,12 +76,13 @@ def outputs_and_gradients(task, model_overrides, fold, monkeypatch):
     return run(params, batch.inputs), run(params, one_hot)
 
 
-# The fast tier: every task with the first model, and the first task with every model.
+# The fast tier: the first task with every model, and one variable-length task (the ids' padding) with the first;
+# the full tier every task with every model.
 PAIRS = sorted([(t, h) for t in TOKEN_TASKS for h in MODELS],
-               key=lambda pair: not (pair[1] == next(iter(MODELS)) or pair[0] == next(iter(TOKEN_TASKS))))
+               key=lambda pair: (pair[0] != next(iter(TOKEN_TASKS)), pair != ("mqar", next(iter(MODELS)))))
 
 
-@pytest.mark.parametrize("task, how", fast_first(PAIRS, keep=len(TOKEN_TASKS) + len(MODELS) - 1))
+@pytest.mark.parametrize("task, how", fast_first(PAIRS, keep=len(MODELS) + 1))
 def test_ids_give_the_results_of_their_one_hot(task, how, monkeypatch):
     overrides, fold = MODELS[how]
     ids, one_hot = outputs_and_gradients(task, overrides, fold, monkeypatch)
