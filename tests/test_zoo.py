@@ -1,5 +1,6 @@
 """The zoo presets: every job of each sweep composes and validates, and the sweep covers every cell."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,21 @@ def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
     for args in (switch, householder):
         fixed = [a for a in args if "," not in a and not a.startswith(("-m", "hydra/"))]
         assert compose_config(fixed).model.cell == "deltaproduct"
+
+
+def test_the_hybrid_zoo_sweeps_every_stack_of_conf_hybrid_and_each_composes_as_named():
+    params = yaml.safe_load(open(f"{CONF_DIR}/experiment/zoo_hybrid.yaml"))["hydra"]["sweeper"]["params"]
+    stacks = params["hybrid"].split(",")
+    assert sorted(stacks) == sorted(p[:-5] for p in os.listdir(f"{CONF_DIR}/hybrid"))
+    want = {"gated_deltanet": ("gated_deltanet", (), 0), "attention": ("attention", (), 0),
+            "window": ("attention", (), 16),
+            "gdn3_attention1": ("gated_deltanet", ("gated_deltanet",) * 3 + ("attention",), 0),
+            "gdn1_attention1": ("gated_deltanet", ("gated_deltanet", "attention"), 0),
+            "attention1_gdn3": ("gated_deltanet", ("attention",) + ("gated_deltanet",) * 3, 0),
+            "gdn3_window1": ("attention", ("gated_deltanet",) * 3 + ("attention",), 16)}
+    assert set(want) == set(stacks)
+    for stack, (cell, pattern, window) in want.items():
+        config = compose_config(["experiment=zoo_hybrid", f"hybrid={stack}"])
+        m = config.model
+        assert (m.cell, m.pattern, dict(m.options).get("window", 0)) == (cell, pattern, window), stack
+        assert (m.block, m.mlp, config.num_layers, config.data.eval_seq_lens) == ("residual", "none", 4, (64, 128, 256))
