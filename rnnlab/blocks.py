@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.embedding import is_token_ids, project
+from rnnlab.embedding import apply_projection
 
 MLPS = ("none", "gelu", "geglu", "swiglu", "rwkv")
 GATES: dict[str, Callable[[jax.Array], jax.Array]] = {"geglu": nn.gelu, "swiglu": nn.silu}
@@ -90,8 +90,7 @@ class ResidualBlock(nn.Module):
         fields = dict(self.layer_fields)
         dtype = fields.get("dtype", jnp.float32)
         if projection is not None:
-            kernel, bias = (a.astype(dtype) for a in projection)
-            x = project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias
+            x = apply_projection(x, projection, dtype)
         x = x.astype(dtype)
         y, _ = self.layer_class(self.hidden_dim, self.cell, **fields, name="recurrence")(
             nn.RMSNorm(dtype=dtype, name="norm_0")(x))

@@ -21,3 +21,10 @@ def embed(ids: jax.Array, table: jax.Array) -> jax.Array:
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w for float inputs x [..., K]; for token ids x int[...], the same as their one-hot's (`embed`)."""
     return embed(x, w) if is_token_ids(x) else x @ w
+
+
+def apply_projection(x: jax.Array, projection: tuple[jax.Array, jax.Array], dtype) -> jax.Array:
+    """The model's input projection (kernel [I, H], bias [H]) applied unfolded, in `dtype`: x P + c, a gather
+    of P's rows for token ids."""
+    kernel, bias = (a.astype(dtype) for a in projection)
+    return project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias

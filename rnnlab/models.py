@@ -40,7 +40,7 @@ from rnnlab import onednn
 from rnnlab.blocks import ResidualBlock
 from rnnlab.cells import Cell, SequenceCell, get_cell
 from rnnlab.config import LayerCell, ModelConfig
-from rnnlab.embedding import embed, is_token_ids, project  # noqa: F401  (embed: models.embed, as before)
+from rnnlab.embedding import apply_projection, embed, is_token_ids, project  # noqa: F401  (embed: models.embed, as before)
 from rnnlab.recurrence import linear, recurrence
 
 log = logging.getLogger(__name__)
@@ -182,8 +182,7 @@ class RecurrentLayer(nn.Module):
                 projection[0].shape[0], self.hidden_dim, tokens=x.size if ids else None):
             w_xh, b = fold_projection(projection, w_xh, b)  # token ids: their input term is a gather of P W_xh
         elif projection is not None:
-            kernel, bias = (a.astype(self.dtype) for a in projection)
-            x, ids = project(x if ids else x.astype(self.dtype), kernel) + bias, False
+            x, ids = apply_projection(x, projection, self.dtype), False
         x = x if ids else x.astype(self.dtype)
         w_xh, b = w_xh.astype(self.dtype), b.astype(self.dtype)
         params = jax.tree_util.tree_map(lambda p: p.astype(self.dtype), params)
@@ -312,9 +311,7 @@ class LayerStack(nn.Module):
         """A hybrid: the projection, then one scan of a `LayerGroup` over the groups (or a Python loop)."""
         period = len(self.pattern)
         if projection is not None:  # x P + c here, once, so that the first group is the scan's body too
-            dtype = dict(self.layer_options).get("dtype", jnp.float32)
-            kernel, bias = (a.astype(dtype) for a in projection)
-            x = project(x if is_token_ids(x) else x.astype(dtype), kernel) + bias
+            x = apply_projection(x, projection, dict(self.layer_options).get("dtype", jnp.float32))
         if not self.scan_layers:
             for j in range(self.num_layers):
                 layer_class, kwargs = self._layer(j % period)
