@@ -177,11 +177,14 @@ def write_failure(path: Path, error: str, exit_code: int, overrides: list[str], 
     """Mark a sweep job's results.json failed: what went wrong, with which overrides.
 
     Keeps what the trainer already wrote there for this job (e.g. status "diverged" with
-    its last metrics); `started` is the job's start (time.time()), so an older results.json
-    (from an earlier run in the same dir) is replaced instead.
+    its last metrics); `started` is the job's start (time.time()). A results.json older than
+    that is an earlier run's (a rerun refused before it trained, e.g. a resume it may not make):
+    it stays, and this attempt's failure goes beside it, `results.failed_attempt.json`.
     """
     results: dict[str, Any] = {"status": "failed"}
-    if path.exists() and path.stat().st_mtime >= started:
+    if path.exists() and path.stat().st_mtime < started:
+        path = path.with_name("results.failed_attempt.json")
+    elif path.exists():
         with contextlib.suppress(ValueError):
             results = json.loads(path.read_text())
     if results.get("status") == "completed":  # failed after writing its results (e.g. a callback)

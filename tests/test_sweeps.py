@@ -286,3 +286,23 @@ def test_a_stopped_parallel_sweep_resumes_by_the_command_it_prints(tmp_path):
     for job in jobs:
         if job.name in started:  # no job that had a checkpoint started over
             assert "resumed from" in (job / "train.log").read_text(), job.name
+
+
+def test_a_rerun_refused_before_it_trains_keeps_the_earlier_runs_results(tmp_path):
+    """A finished job rerun where its resume is refused (another device count, say) must not turn its completed
+    results.json into a failure: the refusal goes beside it."""
+    import time
+
+    from rnnlab.metrics import write_failure
+
+    done = tmp_path / "results.json"
+    done.write_text(json.dumps({"status": "completed", "eval_loss": 0.1}))
+    write_failure(done, "key 'checkpoint.allow_changes': resuming changes ...", 2, ["seed=0"], time.time() + 1)
+    assert json.loads(done.read_text()) == {"status": "completed", "eval_loss": 0.1}
+    attempt = json.loads((tmp_path / "results.failed_attempt.json").read_text())
+    assert attempt["status"] == "failed" and attempt["exit_code"] == 2
+    # This run's own record (written after it started) is marked failed in place, as before.
+    started = time.time() - 1
+    done.write_text(json.dumps({"status": "diverged", "step": 3}))
+    write_failure(done, "non-finite", 3, [], started)
+    assert json.loads(done.read_text())["status"] == "diverged" and json.loads(done.read_text())["exit_code"] == 3
