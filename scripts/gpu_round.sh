@@ -1,0 +1,60 @@
+#!/bin/bash
+# One prepared GPU round: the Elman row, the forms' speed, S3 and A5 at a longer schedule, the forms' equality tests
+# under the GPU's matmul precision (docs/benchmarks.md has what it gave on an H100). On a GPU machine whose Python has
+# jax, flax, optax and orbax but not Hydra: put the wheels of hydra-core, omegaconf, antlr4-python3-runtime and
+# tensorboardX in .whl/ (pip download / pip wheel), and the script installs them first. Results go to $OUT.
+#   bash scripts/gpu_round.sh             # about 9 minutes on one H100
+#   SMALL=1 bash scripts/gpu_round.sh     # tiny sizes: checks the script itself on a CPU in about 6 minutes
+set -u
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+small=${SMALL:-0}
+log() { echo "== $(date +%T) $*"; }
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>/dev/null
+python3 -c "import jax, flax, optax, orbax.checkpoint, hydra; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__)" || exit 1
+
+log "1. Elman H=100 row"
+steps=400; [ "$small" = 1 ] && steps=40
+for i in 1; do
+  timeout 70 python3 train.py model=rnn hidden_dim=100 batch_size=32 data.seq_len=100 steps=$steps log_every=$steps \
+    eval_every=100000 checkpoint.every=100000 hydra.run.dir=/tmp/runs/elman$i 2>&1 | grep -E "tokens/s|Error|error" | tail -3
+  [ "${PIPESTATUS[0]}" = 0 ] || { log "Elman row failed"; exit 1; }
+done
+
+log "2. forms: tokens/s, memory, compile"
+T=1024; A=4096; [ "$small" = 1 ] && T=64 && A=256
+timeout 150 python3 scripts/bench_scans.py --cells lstm slstm mlstm rwkv7 gated_deltanet deltaproduct mamba2 \
+  --seq-lens $T --repeats 3 --json "$OUT/scans.json" 2>&1 | tee "$OUT/scans.log" | grep -v "^$"
+timeout 60 python3 scripts/bench_scans.py --cells attention --seq-lens $A --repeats 3 --json "$OUT/attn_full.json" 2>&1 | tail -4
+timeout 45 python3 scripts/bench_scans.py --cells attention --seq-lens $A --repeats 3 --scans blockwise \
+  --set model.window=256 --json "$OUT/attn_window.json" 2>&1 | tail -3
+
+log "3. S3 and A5 at a larger budget (seed 0, jobs side by side on the one GPU)"
+st_steps=8000; st_time=230; [ "$small" = 1 ] && st_steps=30 && st_time=120
+job() {  # name, then overrides
+  local name=$1; shift
+  timeout -s TERM $st_time python3 train.py experiment=zoo_state_tracking hydra.mode=RUN seed=0 steps=$st_steps \
+    eval_every=1000 log_every=500 checkpoint.enabled=false device.steps_per_dispatch=8 \
+    hydra.run.dir=/tmp/st/$name "$@" >/tmp/st_$name.log 2>&1 &
+}
+mkdir -p /tmp/st
+for lr in 1e-3 3e-3; do
+  job s3_dp2_neg_$lr state_tracking=s3 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=true optimizer.lr=$lr
+  job s3_dp3_neg_$lr state_tracking=s3 model=deltaproduct model.num_householder=3 model.allow_neg_eigval=true optimizer.lr=$lr
+  job s3_dp2_pos_$lr state_tracking=s3 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=false optimizer.lr=$lr
+  job s3_gdn_neg_$lr state_tracking=s3 model=gated_deltanet model.allow_neg_eigval=true optimizer.lr=$lr
+  job a5_dp2_neg_$lr state_tracking=a5 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=true optimizer.lr=$lr
+  job a5_dp3_neg_$lr state_tracking=a5 model=deltaproduct model.num_householder=3 model.allow_neg_eigval=true optimizer.lr=$lr
+done
+wait
+for f in /tmp/st_*.log; do cp "$f" /tmp/st/; echo "$f:"; grep "eval step" "$f" | tail -4 | cut -c1-160; done
+tar czf "$OUT/state_tracking.tgz" -C /tmp/st --exclude=checkpoints .
+
+log "4. the forms' equality tests on the GPU (its default float32 matmul precision)"
+timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/test_mlstm.py tests/test_rwkv7.py tests/test_matrix_forms.py \
+  2>&1 | tail -15 | tee "$OUT/pytest.log"
+log done
