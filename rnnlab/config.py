@@ -1,7 +1,8 @@
 """Typed, validated configuration: the one library module that touches OmegaConf.
 
 `from_omegaconf` turns Hydra's composed `DictConfig` into frozen dataclasses and
-checks every value (`validate`, at the end of this module) before anything is compiled. Every problem is a `ConfigError`
+checks every value (`validate`: each field's declared range or choices, `rnnlab.options`, then the checks
+across keys) before anything is compiled. Every problem is a `ConfigError`
 whose one-line message names the key, the value and what is allowed.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 from rnnlab import cells, tasks
 from rnnlab.blocks import MLPS
+from rnnlab.options import allowed, declared_problem
 
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
@@ -32,6 +34,10 @@ SEED_LIMIT = 2**32  # jax.random.key(seed) keeps the low 32 bits
 # Train steps one dispatch may run: half of the 16 steps the loop lets queue (loop.MAX_STEPS_IN_FLIGHT),
 # so that one dispatch always runs while the host reads the one before.
 MAX_STEPS_PER_DISPATCH = 8
+MAX_MLP_EXPAND = 64  # wider than any published block (GPT-2's and Zoology's are 4)
+POSITIVE = {"low": 0, "low_open": True}  # the declaration of a count or size: must be > 0
+NON_NEGATIVE = {"low": 0}  # must be >= 0
+FRACTION = {"low": 0.0, "high": 1.0, "high_open": True}  # must be in [0, 1)
 
 
 class ConfigError(ValueError):
@@ -40,26 +46,28 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    cell: str
-    hidden_dim: int
+    cell: str = allowed(choices=cells.cell_names)
+    hidden_dim: int  # the top-level hidden_dim is the one source (`_validate_model`)
     num_layers: int
-    init: str
-    activation: str
+    init: str = allowed(choices=lambda: tuple(cells.INITIALIZERS))
+    activation: str = allowed(choices=lambda: tuple(cells.ACTIVATIONS))
     scan_layers: bool
-    stack_init: str
+    stack_init: str = allowed(choices=STACK_INITS)
     forget_bias: float
-    recurrence: str
+    recurrence: str = allowed(choices=RECURRENCES)
     remat: bool
-    dtype: str
-    unroll: Optional[int]  # None: per platform, resolved by rnnlab.models.build_model
-    dropout: float
-    block: str  # plain: the layers as they are | residual: pre-norm residual blocks with a gated MLP
+    dtype: str = allowed(choices=DTYPES)
+    unroll: Optional[int] = allowed(null=True, **POSITIVE)  # None: per platform, resolved by rnnlab.models.build_model
+    dropout: float = allowed(**FRACTION)
+    # plain: the layers as they are | residual: pre-norm residual blocks with a gated MLP
+    block: str = allowed(choices=BLOCKS)
     time_scan: str  # one of the cell's forms (`Cell.time_scans`): sequential, associative, chunked, parallel, blockwise
     # The residual block's channel mixer after the mixer (rnnlab.blocks): none | gelu | geglu | swiglu, its
     # hidden width in multiples of hidden_dim, and biases on its dense layers. Each model config names its
     # paper's; a config that leaves them out gets today's gated MLP.
-    mlp: str = "geglu"
-    mlp_expand: float = 2.0
+    mlp: str = allowed("geglu", choices=MLPS)
+    mlp_expand: float = allowed(2.0, low=0, low_open=True, high=MAX_MLP_EXPAND,
+                                note="the MLP's hidden width in multiples of hidden_dim")
     mlp_bias: bool = False
     # Hybrid stacks: the cells of the layers, a list repeated to num_layers (its length divides num_layers,
     # or equals it: one cell per layer); empty: every layer is `cell`, today's model. `cell` must be one of
@@ -118,7 +126,7 @@ class LayerCell:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    task: str
+    task: str = allowed(choices=tasks.task_names)
     seq_len: int
     min_seq_len: Optional[int]  # None: every training example has seq_len steps; else lengths in [min_seq_len, seq_len]
     eval_seq_lens: tuple[int, ...]  # further lengths evaluated at every eval (eval/<metric>@<len>, eval_by_len)
@@ -129,24 +137,26 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    name: str
-    lr: float
-    schedule: str
-    warmup_steps: int
-    end_lr_ratio: float
-    clip_norm: float
-    weight_decay: float
-    momentum: float
-    b1: float
-    b2: float
+    name: str = allowed(choices=OPTIMIZERS)
+    lr: float = allowed(**POSITIVE)
+    schedule: str = allowed(choices=SCHEDULES)
+    warmup_steps: int = allowed(**NON_NEGATIVE)
+    end_lr_ratio: float = allowed(low=0.0, high=1.0)
+    clip_norm: float = allowed(**NON_NEGATIVE)
+    weight_decay: float = allowed(**NON_NEGATIVE)
+    momentum: float = allowed(**FRACTION)
+    b1: float = allowed(**FRACTION)
+    b2: float = allowed(**FRACTION)
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceConfig:
-    platform: str
-    num_devices: Optional[int]
-    strategy: str
-    steps_per_dispatch: Optional[int]  # None: per platform (rnnlab.steps.default_steps_per_dispatch)
+    platform: str = allowed(choices=PLATFORMS)
+    num_devices: Optional[int] = allowed(null=True, low=1, high=MAX_DEVICES,
+                                         note="the devices of one process; a CPU simulates that many")
+    strategy: str = allowed(choices=STRATEGIES)
+    # None: per platform (rnnlab.steps.default_steps_per_dispatch)
+    steps_per_dispatch: Optional[int] = allowed(null=True, low=1, high=MAX_STEPS_PER_DISPATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +166,7 @@ class DistributedConfig:
 
     enabled: bool
     coordinator_address: Optional[str]
-    num_processes: Optional[int]
+    num_processes: Optional[int] = allowed(null=True, **POSITIVE)
     process_id: Optional[int]
     bind_address: Optional[str]
 
@@ -164,41 +174,44 @@ class DistributedConfig:
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     enabled: bool
-    every: int
-    keep: int
+    every: int = allowed(**NON_NEGATIVE)
+    keep: int = allowed(**POSITIVE)
     resume: bool
     allow_changes: tuple[str, ...]  # keys a resume may change from the checkpoint's config (rnnlab.rundir)
 
 
 @dataclasses.dataclass(frozen=True)
 class ProfileConfig:
-    start_step: int  # first training step to trace (the loop's step numbers start at 1)
-    num_steps: int  # steps to trace with jax.profiler; 0 = off
+    start_step: int = allowed(**POSITIVE)  # first training step to trace (the loop's step numbers start at 1)
+    num_steps: int = allowed(**NON_NEGATIVE)  # steps to trace with jax.profiler; 0 = off
     memory: bool  # also save a device memory profile after the traced steps
 
 
 @dataclasses.dataclass(frozen=True)
 class LogConfig:
-    histograms_every: int  # steps between parameter/gradient histograms and per-layer gradient norms; 0 = off
+    # steps between parameter/gradient histograms and per-layer gradient norms; 0 = off
+    histograms_every: int = allowed(**NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class ZooConfig:
-    seeds: int  # seeds per cell and learning rate in the experiment=zoo_* sweeps (their `seed: range(...)`)
+    # seeds per cell and learning rate in the experiment=zoo_* sweeps (their `seed: range(...)`)
+    seeds: int = allowed(**POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     imports: tuple[str, ...]  # modules imported first: extensions that register cells and tasks
-    seed: int
-    steps: int
-    batch_size: int
-    hidden_dim: int
-    num_layers: int
-    log_every: int
-    eval_every: int
-    eval_batches: int
-    on_nonfinite: str
+    seed: int = allowed(low=0, high=SEED_LIMIT - 1,
+                        note="JAX keys hold 32 bits: a larger seed would repeat a smaller one's run")
+    steps: int = allowed(**POSITIVE)
+    batch_size: int = allowed(**POSITIVE)
+    hidden_dim: int = allowed(**POSITIVE)
+    num_layers: int = allowed(**POSITIVE)
+    log_every: int = allowed(**POSITIVE)
+    eval_every: int = allowed(**POSITIVE)
+    eval_batches: int = allowed(**POSITIVE)
+    on_nonfinite: str = allowed(choices=NONFINITE_POLICIES)
     model: ModelConfig
     data: DataConfig
     optimizer: OptimizerConfig
@@ -366,63 +379,46 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"key '{key}': got {value!r}, allowed: {', '.join(allowed)}")
 
 
-# Range and choice checks of a built `Config` (`from_dict` runs them): each problem is one `ConfigError`
-# whose line names the key, the value and what is allowed.
-
-MAX_MLP_EXPAND = 64  # wider than any published block (GPT-2's and Zoology's are 4)
-
-
-def _positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise ConfigError(f"key '{key}': got {value!r}, must be > 0")
-
-
-def _non_negative(key: str, value: float) -> None:
-    if value < 0:
-        raise ConfigError(f"key '{key}': got {value!r}, must be >= 0")
+# Checks of a built `Config` (`from_dict` runs them): each problem is one `ConfigError` whose line names
+# the key, the value and what is allowed. A key's own range or choices are its field's declaration
+# (`rnnlab.options.allowed`); what involves several keys is code below.
 
 
 def validate(c: Config) -> None:
-    """Range and choice checks; raises ConfigError on the first problem."""
-    for key in ("steps", "batch_size", "hidden_dim", "num_layers", "log_every", "eval_every", "eval_batches"):
-        _positive(key, getattr(c, key))
-    if not 0 <= c.seed < SEED_LIMIT:
-        raise ConfigError(f"key 'seed': got {c.seed}, allowed: 0 .. {SEED_LIMIT - 1} "
-                          f"(JAX keys hold 32 bits: a larger seed would repeat a smaller one's run)")
-    check_choice("on_nonfinite", c.on_nonfinite, NONFINITE_POLICIES)
+    """The declared ranges and choices, then the checks across keys; raises ConfigError on the first problem."""
+    problem = _declared_problem(c, prefix="")
+    if problem:
+        raise ConfigError(problem)
     _validate_model(c)
-    check_choice("data.task", c.data.task, tasks.task_names())
     try:
         tasks.check_data(c.data)  # the task's options, data.seq_len, data.min_seq_len, data.eval_seq_lens
     except tasks.OptionError as e:
         raise ConfigError(str(e)) from None
-    _validate_optimizer(c.optimizer)
-    _validate_devices(c)
-    _non_negative("checkpoint.every", c.checkpoint.every)
-    _positive("checkpoint.keep", c.checkpoint.keep)
+    d = c.distributed
+    if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or 1):
+        raise ConfigError(
+            f"key 'distributed.process_id': got {d.process_id}, must be in [0, distributed.num_processes={d.num_processes})"
+        )
     known = set(flatten(c))
     for name in c.checkpoint.allow_changes:
         if name not in known:
             raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
                               f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
-    _positive("profile.start_step", c.profile.start_step)
-    _non_negative("profile.num_steps", c.profile.num_steps)
-    _non_negative("log.histograms_every", c.log.histograms_every)
-    _positive("zoo.seeds", c.zoo.seeds)
+
+
+def _declared_problem(group: Any, prefix: str) -> Optional[str]:
+    """The first declared refusal in `group` (a config dataclass), its own keys before its groups'."""
+    nested = [f.name for f in dataclasses.fields(group) if dataclasses.is_dataclass(getattr(group, f.name))]
+    return declared_problem(group, prefix) or next(
+        filter(None, (_declared_problem(getattr(group, name), f"{prefix}{name}.") for name in nested)), None)
 
 
 def _validate_model(c: Config) -> None:
     m = c.model
-    check_choice("model.cell", m.cell, cells.cell_names())
     for key in ("hidden_dim", "num_layers"):  # the top-level key is the one source
         if getattr(m, key) != getattr(c, key):
             raise ConfigError(f"key 'model.{key}': got {getattr(m, key)}, but the top-level {key} is {getattr(c, key)}; "
                               f"set the top-level key instead ({key}={getattr(m, key)})")
-    check_choice("model.init", m.init, tuple(cells.INITIALIZERS))
-    check_choice("model.activation", m.activation, tuple(cells.ACTIVATIONS))
-    check_choice("model.stack_init", m.stack_init, STACK_INITS)
-    check_choice("model.dtype", m.dtype, DTYPES)
-    check_choice("model.recurrence", m.recurrence, RECURRENCES)
     if m.recurrence == "custom_vjp" and not m.make_cell().has_backward:
         raise ConfigError(f"key 'model.recurrence': got 'custom_vjp', but cell {m.cell!r} has no hand-written "
                           f"backward; allowed: autodiff")
@@ -436,13 +432,6 @@ def _validate_model(c: Config) -> None:
     if m.recurrence in ("custom_vjp", "onednn", "auto") and m.remat:
         raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
                           f"(model.recurrence={m.recurrence} keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
-    if m.unroll is not None:
-        _positive("model.unroll", m.unroll)
-    check_choice("model.block", m.block, BLOCKS)
-    check_choice("model.mlp", m.mlp, MLPS)
-    if not 0 < m.mlp_expand <= MAX_MLP_EXPAND:
-        raise ConfigError(f"key 'model.mlp_expand': got {m.mlp_expand}, must be in (0, {MAX_MLP_EXPAND}] "
-                          f"(the MLP's hidden width in multiples of hidden_dim)")
     cell = m.make_cell()
     if m.time_scan not in cell.time_scans:
         raise ConfigError(f"key 'model.time_scan': got {m.time_scan!r}, allowed for cell {m.cell!r}: "
@@ -453,8 +442,6 @@ def _validate_model(c: Config) -> None:
     problem = cell.option_problem()
     if problem:
         raise ConfigError(problem)
-    if not 0.0 <= m.dropout < 1.0:
-        raise ConfigError(f"key 'model.dropout': got {m.dropout}, must be in [0, 1)")
     _validate_pattern(m)
 
 
@@ -486,37 +473,3 @@ def _validate_pattern(m: ModelConfig) -> None:
                               + ("mixes the whole sequence at once" if isinstance(cell, cells.SequenceCell) else
                                  f"runs its default recurrence {spec.recurrence} (remat needs autodiff)")
                               + "; allowed: false")
-
-
-def _validate_optimizer(o: OptimizerConfig) -> None:
-    check_choice("optimizer.name", o.name, OPTIMIZERS)
-    _positive("optimizer.lr", o.lr)
-    check_choice("optimizer.schedule", o.schedule, SCHEDULES)
-    _non_negative("optimizer.warmup_steps", o.warmup_steps)
-    _non_negative("optimizer.clip_norm", o.clip_norm)
-    _non_negative("optimizer.weight_decay", o.weight_decay)
-    if not 0.0 <= o.end_lr_ratio <= 1.0:
-        raise ConfigError(f"key 'optimizer.end_lr_ratio': got {o.end_lr_ratio}, must be in [0, 1]")
-    for key in ("momentum", "b1", "b2"):
-        value = getattr(o, key)
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"key 'optimizer.{key}': got {value}, must be in [0, 1)")
-
-
-def _validate_devices(c: Config) -> None:
-    d = c.distributed
-    if d.num_processes is not None:
-        _positive("distributed.num_processes", d.num_processes)
-    if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or 1):
-        raise ConfigError(
-            f"key 'distributed.process_id': got {d.process_id}, must be in [0, distributed.num_processes={d.num_processes})"
-        )
-    check_choice("device.platform", c.device.platform, PLATFORMS)
-    check_choice("device.strategy", c.device.strategy, STRATEGIES)
-    n = c.device.num_devices
-    if n is not None and not 1 <= n <= MAX_DEVICES:
-        raise ConfigError(f"key 'device.num_devices': got {n}, allowed: null or 1 .. {MAX_DEVICES} "
-                          f"(the devices of one process; a CPU simulates that many)")
-    k = c.device.steps_per_dispatch
-    if k is not None and not 1 <= k <= MAX_STEPS_PER_DISPATCH:
-        raise ConfigError(f"key 'device.steps_per_dispatch': got {k}, allowed: null or 1 .. {MAX_STEPS_PER_DISPATCH}")

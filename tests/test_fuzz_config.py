@@ -8,11 +8,21 @@ in process up to where JAX would start (`train.config_exit`): exit 0 or 2, and a
 names a key of the command line. A few examples run in the fast tier; `pytest --full` runs many more
 with a fixed seed, and a handful through `python train.py` itself (no traceback, no hang, nothing
 written outside its run dir). Each failure found is fixed and kept as an `@example`.
+
+Beside the random draws, boundary draws: every key whose range or choices are declared on its field
+(`rnnlab.options.allowed`: the Config's, every cell's and every task's) gets the values at and just
+past each end, each choice and a near miss, null, and the divisors and minimums its declaration
+names. Whether a draw is inside is worked out here from the declared numbers, not by the checks, so
+a check that drifts from its declaration fails: a value outside must exit 2 naming its key, a value
+inside must pass (or be refused by a check across keys) and its model must initialise by shape.
 """
 
+import dataclasses
 import functools
 import math
+import re
 import sys
+import typing
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -20,6 +30,7 @@ from hypothesis import HealthCheck, example, given, settings  # the test extra i
 from hypothesis import strategies as st
 
 from conftest import CONF_DIR, ROOT, run_train
+from rnnlab.options import declaration
 
 sys.path.insert(0, str(ROOT))
 import train  # noqa: E402  (train.py: the exit code a config gets, in process)
@@ -222,3 +233,243 @@ def test_fuzz_train_py_end_to_end(overrides, tmp_path_factory):
         errors = [line for line in proc.stderr.splitlines() if line.startswith("rnnlab: error:")]
         assert len(errors) == 1, (overrides, proc.stderr[-2000:])
     assert {p.name for p in work.iterdir()} <= {"run"}, (overrides, sorted(p.name for p in work.iterdir()))
+
+
+# Boundary draws, from the declarations the checks read (module docstring).
+
+class Boundary(typing.NamedTuple):
+    """One boundary draw: the overrides (a group choice, then the key's value), the key, and whether the
+    value is inside the key's declaration."""
+
+    overrides: tuple[str, ...]
+    key: str
+    inside: bool
+
+
+def leaf_fields(cls, prefix=""):
+    """{dotted key: (type, field)} of the fields of `cls` and of its nested config groups (`options` aside)."""
+    hints = typing.get_type_hints(cls)
+    found = {}
+    for field in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[field.name]):
+            found |= leaf_fields(hints[field.name], f"{prefix}{field.name}.")
+        elif field.name != "options":
+            found[prefix + field.name] = (hints[field.name], field)
+    return found
+
+
+def declared_fields(cls, prefix=""):
+    """{dotted key: (type, Allowed)} of the declared fields of `cls` and of its nested config groups."""
+    return {key: (tp, declaration(field)) for key, (tp, field) in leaf_fields(cls, prefix).items()
+            if declaration(field)}
+
+
+def inside(rule, value, owner):
+    """Whether `value` is allowed by `rule`, worked out from its declared numbers (not by its `problem`, the
+    check under test); a `divides` or `at_least` boundary is read off `owner`, the cell or task it belongs to."""
+    if value is None:
+        return rule.null
+    if rule.allowed_choices() is not None:
+        return value in rule.allowed_choices()
+    above = rule.low is None or (value > rule.low if rule.low_open else value >= rule.low)
+    below = rule.high is None or (value < rule.high if rule.high_open else value <= rule.high)
+    divides = rule.divides is None or (value >= 1 and getattr(owner, rule.divides) % value == 0)
+    reaches = rule.at_least is None or value >= getattr(owner, rule.at_least)
+    return above and below and divides and reaches
+
+
+def edge_values(tp, rule, owner):
+    """The values drawn for a declared key of type `tp`: null, each choice and a near miss, each end and the
+    next value of the type either side of it, and the divisors and minimums the declaration names."""
+    kind = next(a for a in (*typing.get_args(tp), tp) if a in (int, float, str))
+    values = [None]
+    if rule.allowed_choices() is not None:
+        return values + [*rule.allowed_choices(), rule.allowed_choices()[0] + "x"]
+    for end in (rule.low, rule.high):
+        if end is not None:
+            end = kind(end)
+            values += [end - 1, end, end + 1] if kind is int else [math.nextafter(end, -math.inf), end,
+                                                                    math.nextafter(end, math.inf)]
+    if rule.divides:
+        width = getattr(owner, rule.divides)
+        values += [0, 1, next((k for k in range(2, width) if width % k), width + 1), width]
+    if rule.at_least:
+        least = getattr(owner, rule.at_least)
+        values += [least - 1, least, least + 1]
+    return list(dict.fromkeys(values))
+
+
+def option_owner(group, option):
+    """(class, default instance) of the cell or task that `group=option` chooses: what a `divides` or
+    `at_least` boundary is read from."""
+    from rnnlab import cells, tasks
+
+    values = {k.lstrip("+"): v for k, v in option_keys(group, option).items()}
+    if group == "model":
+        cls = cells.get_cell(values["model.cell"])
+        base = {f.name for f in dataclasses.fields(cells.Cell)}
+        own = {f.name: values[f"model.{f.name}"] for f in dataclasses.fields(cls) if f.name not in base}
+        return cls, cls(values["model.hidden_dim"], **own)
+    cls = tasks.get_task(values["data.task"])
+    return cls, cls(values["data.seq_len"], **{name: values[f"data.{name}"] for name in tasks.option_fields(cls)})
+
+
+@functools.lru_cache(maxsize=None)
+def boundaries():
+    """Every boundary draw: the Config's declared keys in the base composition, and each cell's and task's
+    declared keys under every option of its group."""
+    from rnnlab.config import Config
+
+    draws = [Boundary((f"{key}={render(v)}",), key, inside(rule, v, None))
+             for key, (tp, rule) in declared_fields(Config).items() for v in edge_values(tp, rule, None)]
+    for group in ("model", "data"):
+        for option in group_options(group):
+            cls, owner = option_owner(group, option)
+            overridden = {k.lstrip("+"): k for k in option_keys(group, option)}
+            draws += [Boundary((f"{group}={option}", f"{overridden[key]}={render(v)}"), key,
+                               inside(rule, v, owner))
+                      for key, (tp, rule) in declared_fields(cls, f"{group}.").items()
+                      for v in edge_values(tp, rule, owner)]
+    return tuple(draws)
+
+
+_INIT_PROBLEMS = {}
+
+
+def init_problem(overrides):
+    """Why the model of an accepted config does not initialise, or None: built and initialised by shape
+    (`jax.eval_shape`, nothing allocated) on one example, so that a value the checks let through but the
+    model cannot take fails here rather than in a user's run after its compile. Built as for a GPU: the
+    recurrence resolves to XLA's, so no oneDNN kernel is built."""
+    import jax
+
+    from conftest import compose_config
+    from rnnlab import tasks
+    from rnnlab.models import build_model
+
+    config = compose_config(overrides)
+    task = tasks.make_task(config.data)
+    shape = (config.model, task.input_spec(1), task.output_dim)
+    if shape not in _INIT_PROBLEMS:
+        model = build_model(config.model, task.output_dim, "gpu", task.input_dim)
+        try:
+            jax.eval_shape(model.init, jax.random.key(0), task.input_spec(1))
+            _INIT_PROBLEMS[shape] = None
+        except Exception as e:  # noqa: BLE001 - any failure to initialise is the finding
+            _INIT_PROBLEMS[shape] = f"{overrides}: accepted, but the model does not initialise: {type(e).__name__}: {e}"
+    return _INIT_PROBLEMS[shape]
+
+
+# Keys whose values inside the declaration a check across keys may still refuse by the key's own name.
+REFUSED_ACROSS_KEYS = {
+    "model.recurrence": "custom_vjp needs the cell's hand-written backward, onednn and auto its oneDNN kernel",
+}
+SHAPING_KEYS = ("model.", "data.", "hidden_dim", "num_layers")  # the keys whose draws may change the model
+
+
+def violation(draw):
+    """What is wrong with how the config takes a boundary draw, or None: a value outside its declaration
+    must exit 2 with a line naming its key; one inside must pass (and, for a key that shapes the model,
+    initialise), or be refused by a check across keys (a line naming another key)."""
+    code, message = train.config_exit(list(draw.overrides))
+    if not draw.inside:
+        if code == 2 and f"'{draw.key}'" in message:
+            return None
+        return f"{list(draw.overrides)}: outside the declaration of {draw.key}, but exit {code}: {message!r}"
+    if code == 0:
+        return init_problem(draw.overrides) if draw.key.startswith(SHAPING_KEYS) else None
+    named = re.match(r"keys? '([^']+)'", message)
+    if code != 2 or "\n" in message or not named or (named[1] == draw.key and draw.key not in REFUSED_ACROSS_KEYS):
+        return f"{list(draw.overrides)}: inside the declaration of {draw.key}, but exit {code}: {message!r}"
+    return None
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(st.deferred(lambda: st.sampled_from(boundaries())))
+# Planted bugs the random draws missed (test_the_boundary_draws_catch_*), kept as examples:
+@example(Boundary(("model=attention", "model.num_heads=3"), "model.num_heads", False))
+@example(Boundary(("device.steps_per_dispatch=9",), "device.steps_per_dispatch", False))
+def test_boundary_draws_fast(draw):
+    """A few boundary draws in every run, so that a check drifting from its declaration shows at once."""
+    assert violation(draw) is None
+
+
+@pytest.mark.slow
+def test_every_boundary_draw():
+    """Every boundary draw, all failures listed at once: each is a check that disagrees with a declaration."""
+    failures = [problem for problem in map(violation, boundaries()) if problem]
+    assert not failures, "\n".join(failures)
+
+
+# Numeric keys without a declaration: each is checked across keys, in code, for the reason given.
+CHECKED_ACROSS_KEYS = {
+    "model.hidden_dim": "equals the top-level hidden_dim (one source)",
+    "model.num_layers": "equals the top-level num_layers (one source)",
+    "model.forget_bias": "any finite number",
+    "model.r_min": "0 <= r_min < r_max < 1 (lru)",
+    "model.r_max": "0 <= r_min < r_max < 1 (lru)",
+    "model.proj_factor": "in (0, MAX_PROJ_FACTOR] with an inner width >= 1 (mlstm)",
+    "data.seq_len": "declared on Task.seq_len: at least the task's minimum",
+    "data.min_seq_len": "null or the task's minimum .. data.seq_len",
+    "data.vocab_size": "even and >= 2 x data.num_pairs (mqar; selective_copy's is declared)",
+    "data.eval_seq_lens": "distinct lengths, each at least the task's minimum",
+    "distributed.process_id": "below distributed.num_processes",
+}
+
+
+def test_every_number_key_is_declared_or_checked_across_keys():
+    """A new numeric key gets boundary draws only through a declaration: one without is named here."""
+    from rnnlab import cells, tasks
+    from rnnlab.config import Config
+
+    classes = [(Config, ""), *((cells.get_cell(n), "model.") for n in cells.cell_names()),
+               *((tasks.get_task(n), "data.") for n in tasks.task_names())]
+    undeclared, wrong_null = set(), set()
+    for cls, prefix in classes:
+        declared = declared_fields(cls, prefix)
+        for key, (tp, _) in leaf_fields(cls, prefix).items():
+            number = {int, float} & {tp, *typing.get_args(tp)}
+            if number and key not in declared and key not in CHECKED_ACROSS_KEYS:
+                undeclared.add(key)
+            if key in declared and declared[key][1].null != (type(None) in typing.get_args(tp)):
+                wrong_null.add(key)
+    assert not undeclared and not wrong_null, (undeclared, wrong_null)
+
+
+@pytest.mark.slow
+def test_the_boundary_draws_catch_a_missing_divisor_check(monkeypatch):
+    """Planted bug: attention without its num_heads divisor check, so `model=attention model.num_heads=3`
+    (hidden_dim 64) passes the config and would fail in the model's reshape after a user's run started.
+    Attention's boundary draws find it (and the init by shape does too). Of 300 random draws
+    (`override_lists`, the fuzz tests' settings), measured once: none ran differently under the bug (none
+    set model.num_heads with model=attention), and none could have failed the random property, which
+    allows exit 0."""
+    from rnnlab.cells import Cell
+    from rnnlab.cells.attention import Attention
+
+    monkeypatch.setattr(Attention, "option_problem", Cell.option_problem)  # the declared ranges alone
+    found = [draw for draw in boundaries() if draw.overrides[0] == "model=attention" and violation(draw)]
+    assert {draw.key for draw in found} == {"model.num_heads"}
+    assert init_problem(("model=attention", "model.num_heads=3"))
+
+
+@pytest.mark.slow
+def test_the_boundary_draws_catch_an_off_by_one_at_a_closed_upper_end(monkeypatch):
+    """Planted bug: the range check lets through the first integer past a closed upper end (`value > high`
+    written `value > high + 1`), so device.steps_per_dispatch=9, device.num_devices=65 and seed=2^32 pass.
+    The boundary draws of the Config's keys find all three. Of 300 random draws, measured once: none ran
+    differently under the bug (11 set device.steps_per_dispatch or device.num_devices, none to 9 or 65;
+    the seeds drawn skip 2^32), and none failed the random property."""
+    from rnnlab import options
+
+    checked = options.Allowed.problem
+
+    def off_by_one(rule, key, value):
+        if rule.high is not None and not rule.high_open and value == rule.high + 1:
+            return None
+        return checked(rule, key, value)
+
+    monkeypatch.setattr(options.Allowed, "problem", off_by_one)
+    found = [draw for draw in boundaries() if len(draw.overrides) == 1 and violation(draw)]  # the Config's keys
+    assert {draw.overrides for draw in found} == {("device.num_devices=65",), ("device.steps_per_dispatch=9",),
+                                                  ("seed=4294967296",)}

@@ -55,6 +55,7 @@ import numpy as np
 
 from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.registry import SequenceCell, register_cell
+from rnnlab.options import allowed
 
 ROPE_BASE = 10000.0
 
@@ -212,9 +213,10 @@ def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class Attention(SequenceCell):
-    num_heads: int = 4  # heads of width hidden_dim / num_heads
-    block_size: int = 128  # steps per query and key block of the blockwise form
-    window: int = 0  # 0: full causal attention; w >= 1: query t attends to keys t - w < s <= t (the last w, itself included)
+    num_heads: int = allowed(4, divides="hidden_dim")  # heads of width hidden_dim / num_heads
+    block_size: int = allowed(128, low=1)  # steps per query and key block of the blockwise form
+    # 0: full causal attention; w >= 1: query t attends to keys t - w < s <= t (the last w, itself included)
+    window: int = allowed(0, low=0, note="0 = full attention")
 
     name = "attention"
     num_gates = 3  # q, k, v: the input term is 3H wide, one initializer block each
@@ -232,11 +234,7 @@ class Attention(SequenceCell):
         if self.num_heads < 1 or self.hidden_dim % self.num_heads:
             return (f"key 'model.num_heads': got {self.num_heads}, must be a positive divisor of "
                     f"hidden_dim={self.hidden_dim} (heads of width hidden_dim / num_heads)")
-        if self.block_size < 1:
-            return f"key 'model.block_size': got {self.block_size}, must be >= 1"
-        if self.window < 0:
-            return f"key 'model.window': got {self.window}, must be >= 0 (0 = full attention)"
-        return None
+        return super().option_problem()
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
         """u: [T, B, 3H] -> [T, B, H] by the form `time_scan`; `unroll` and `recurrence` are unused."""

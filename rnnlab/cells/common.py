@@ -1,7 +1,7 @@
 """What several cell families share: the short causal convolution over time, the initialisers of the
 papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay) and the option checks
-(one line per key). One definition each, so that a cell states which reference it follows by the name
-it imports."""
+across keys (one line per key; a single key's range is declared on its field, `rnnlab.options`). One
+definition each, so that a cell states which reference it follows by the name it imports."""
 
 from __future__ import annotations
 
@@ -27,11 +27,6 @@ def divisor_problem(key: str, value: int, width: int, width_name: str = "hidden_
     if value < 1 or width % value:
         return f"key '{key}': got {value}, must be >= 1 and divide {width_name} ({width})"
     return None
-
-
-def at_least_problem(key: str, value: float, least: float, note: str = "") -> str | None:
-    """The one line for a cell option below `least` (`note`: what a boundary value means); None if not."""
-    return f"key '{key}': got {value}, must be >= {least}{note}" if value < least else None
 
 
 def first_problem(*problems: str | None) -> str | None:

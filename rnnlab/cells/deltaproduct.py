@@ -27,12 +27,14 @@ from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_produc
 from rnnlab.cells.deltanet import GatedDeltaNet
 from rnnlab.cells.matrix import l2_normalize
 from rnnlab.cells.registry import register_cell
+from rnnlab.options import allowed
 
 
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class DeltaProduct(GatedDeltaNet):
-    num_householder: int = 2  # n_h: delta-rule steps (keys, values, betas) per token; 1 is gated DeltaNet
+    # n_h: delta-rule steps (keys, values, betas) per token; 1 is gated DeltaNet
+    num_householder: int = allowed(2, low=1)
 
     name = "deltaproduct"
 
@@ -48,11 +50,6 @@ class DeltaProduct(GatedDeltaNet):
 
     def extra_width(self):
         return self.num_heads * (self.num_householder + 1)  # betas (n per head), alpha's logit per head
-
-    def option_problem(self):
-        if self.num_householder < 1:
-            return f"key 'model.num_householder': got {self.num_householder}, must be >= 1"
-        return super().option_problem()
 
     def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
         n, heads = self.num_householder, self.num_heads

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab.cells.registry import LinearCell, register_cell
+from rnnlab.options import allowed
 
 
 @register_cell
@@ -30,7 +31,7 @@ from rnnlab.cells.registry import LinearCell, register_cell
 class LRU(LinearCell):
     r_min: float = 0.0  # smallest initial |lambda|
     r_max: float = 0.99  # largest initial |lambda| (the paper uses 0.9 .. 0.999 for long sequences)
-    max_phase: float = 2 * math.pi  # initial phases lie in [0, max_phase]
+    max_phase: float = allowed(2 * math.pi, low=0, low_open=True)  # initial phases lie in [0, max_phase]
 
     name = "lru"
     num_gates = 2
@@ -54,9 +55,7 @@ class LRU(LinearCell):
         if not 0.0 <= self.r_min < self.r_max < 1.0:
             return (f"keys 'model.r_min', 'model.r_max': got {self.r_min}, {self.r_max}; "
                     f"allowed: 0 <= r_min < r_max < 1 (|lambda| < 1 keeps the recurrence stable)")
-        if not self.max_phase > 0:
-            return f"key 'model.max_phase': got {self.max_phase}, must be > 0"
-        return None
+        return super().option_problem()
 
     def input_init(self):
         return nn.initializers.variance_scaling(0.5, "fan_in", "normal")

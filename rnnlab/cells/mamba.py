@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from rnnlab.cells.common import a_log_s4d_real_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
 from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
+from rnnlab.options import allowed
 from rnnlab.recurrence import linear_recurrence, scan_linear
 
 
@@ -92,11 +93,12 @@ def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class Mamba(SequenceCell):
-    state_size: int = 16  # N: the SSM state per channel
-    conv_size: int = 4  # K: width of the short causal depthwise convolution; 0 = none
-    expand: int = 2  # E: inner width E * hidden_dim
-    dt_rank: int = 0  # R: rank of Delta's input map; 0 = ceil(hidden_dim / 16)
-    chunk_size: int = 64  # steps per checkpointed chunk of the chunked form (one [B, D, N] state kept per chunk)
+    state_size: int = allowed(16, low=1)  # N: the SSM state per channel
+    conv_size: int = allowed(4, low=0)  # K: width of the short causal depthwise convolution; 0 = none
+    expand: int = allowed(2, low=1)  # E: inner width E * hidden_dim
+    dt_rank: int = allowed(0, low=0)  # R: rank of Delta's input map; 0 = ceil(hidden_dim / 16)
+    # steps per checkpointed chunk of the chunked form (one [B, D, N] state kept per chunk)
+    chunk_size: int = allowed(64, low=1)
     allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba"
@@ -136,12 +138,6 @@ class Mamba(SequenceCell):
                 "A_log": ((d, n), a_log_s4d_real_init),
                 "D": ((d,), jax.nn.initializers.ones),
                 "W_out": ((d, self.hidden_dim), fan_in_uniform(d))}
-
-    def option_problem(self):
-        for key, low in (("state_size", 1), ("conv_size", 0), ("expand", 1), ("dt_rank", 0), ("chunk_size", 1)):
-            if getattr(self, key) < low:
-                return f"key 'model.{key}': got {getattr(self, key)}, must be >= {low}"
-        return None
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
         """u: [T, B, 2D] -> [T, B, H]."""

@@ -41,6 +41,7 @@ from rnnlab.cells.common import a_log_uniform_init, causal_conv, dt_bias_init, f
 from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.registry import SequenceCell, register_cell
+from rnnlab.options import allowed
 
 NORM_EPS = 1e-5  # the reference's gated RMSNorm
 
@@ -48,11 +49,11 @@ NORM_EPS = 1e-5  # the reference's gated RMSNorm
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class Mamba2(SequenceCell):
-    state_size: int = 128  # N: state per channel (the reference's d_state)
-    head_dim: int = 64  # P: channels per head; an inner width below it is one head
-    conv_size: int = 4  # K: width of the short causal depthwise convolution over x, B and C; 0 = none
-    expand: int = 2  # E: inner width E * hidden_dim
-    chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
+    state_size: int = allowed(128, low=1)  # N: state per channel (the reference's d_state)
+    head_dim: int = allowed(64, low=1)  # P: channels per head; an inner width below it is one head
+    conv_size: int = allowed(4, low=0)  # K: width of the short causal depthwise convolution over x, B and C; 0 = none
+    expand: int = allowed(2, low=1)  # E: inner width E * hidden_dim
+    chunk_size: int = allowed(64, low=1)  # steps per chunk (chunked form) and per checkpointed block (sequential form)
     allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba2"
@@ -96,9 +97,9 @@ class Mamba2(SequenceCell):
                 "W_out": ((self.inner, self.hidden_dim), fan_in_uniform(self.inner))}
 
     def option_problem(self):
-        for key, low in (("state_size", 1), ("head_dim", 1), ("conv_size", 0), ("expand", 1), ("chunk_size", 1)):
-            if getattr(self, key) < low:
-                return f"key 'model.{key}': got {getattr(self, key)}, must be >= {low}"
+        problem = super().option_problem()
+        if problem:
+            return problem
         if self.inner % self.head_width:
             return (f"key 'model.head_dim': got {self.head_dim}, must divide the inner width expand * hidden_dim "
                     f"({self.inner}) or exceed it")

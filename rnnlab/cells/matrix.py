@@ -26,8 +26,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import at_least_problem, causal_conv, divisor_problem, first_problem, uniform
+from rnnlab.cells.common import causal_conv, divisor_problem, first_problem, uniform
 from rnnlab.cells.registry import SequenceCell
+from rnnlab.options import allowed
 
 NORM_EPS = 1e-6
 
@@ -55,9 +56,10 @@ class MatrixCell(SequenceCell):
     """A cell with a [dk, dv] state per head. Subclasses set `name`, `extra_width` (the input term's
     width beyond q, k and v), `output_gate`, `time_scans`, and define `mix_heads`."""
 
-    num_heads: int = 4  # heads; head width H / num_heads
-    conv_size: int = 4  # taps of the short causal convolution on q, k, v; 0 = off
-    chunk_size: int = 64  # steps per chunk (chunked form) and per checkpointed block (sequential form)
+    num_heads: int = allowed(4, divides="hidden_dim")  # heads; head width H / num_heads
+    # taps of the short causal convolution on q, k, v; 0 = off
+    conv_size: int = allowed(4, low=0, note="0 = no convolution")
+    chunk_size: int = allowed(64, low=1)  # steps per chunk (chunked form) and per checkpointed block (sequential form)
 
     output_gate: ClassVar[bool] = False
     default_time_scan: ClassVar[str | None] = "chunked"  # conf/model_base/matrix_cell.yaml's (init, recurrence: SequenceCell's)
@@ -87,8 +89,7 @@ class MatrixCell(SequenceCell):
 
     def option_problem(self):
         return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             at_least_problem("model.conv_size", self.conv_size, 0, " (0 = no convolution)"),
-                             at_least_problem("model.chunk_size", self.chunk_size, 1))
+                             super().option_problem())
 
     def param_specs(self):
         h = self.hidden_dim

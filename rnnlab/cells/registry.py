@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rnnlab.options import declared_problem
 from rnnlab.recurrence import linear_recurrence, scan_linear
 from rnnlab.registry import Registry
 
@@ -197,8 +198,9 @@ class Cell:
         raise NotImplementedError
 
     def option_problem(self) -> str | None:
-        """A one-line message naming the `model.<key>` of a cell option out of range, or None."""
-        return None
+        """A one-line message naming the `model.<key>` of a cell option out of range, or None: the options'
+        declared ranges (`rnnlab.options.allowed`); a cell adds its checks across keys around this one."""
+        return declared_problem(self, "model.")
 
     def mixing_flops(self, seq_len: int, time_scan: str) -> int:
         """Forward matmul FLOPs, for one example of `seq_len` steps mixed by `time_scan`, of the cell's

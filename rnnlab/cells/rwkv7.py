@@ -31,9 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rnnlab.cells.common import at_least_problem, divisor_problem, first_problem
+from rnnlab.cells.common import divisor_problem, first_problem
 from rnnlab.cells.dplr_forms import dplr_chunked, dplr_flops, dplr_recompute_flops, dplr_recurrent
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
+from rnnlab.options import allowed
 
 LOG_W_MIN = -math.exp(-0.5)  # the least log-decay: w >= exp(-exp(-1/2)) ~ 0.545
 NORM_EPS = 1e-5  # times the head width: fla's GroupNorm eps
@@ -57,11 +58,14 @@ def orthogonal(gain: float):
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class RWKV7(SequenceCell):
-    num_heads: int = 4  # heads; head width H / num_heads (RWKV fixes 64)
-    chunk_size: int = 64  # steps per chunk (chunked) and per checkpointed block (sequential)
-    decay_rank: int = 0  # rank of the decay LoRA; 0: round(2.5 sqrt(H)) (fla's formula, without its floor of 32)
-    iclr_rank: int = 0  # rank of the in-context learning rate's LoRA; 0: round(2.5 sqrt(H))
-    gate_rank: int = 0  # rank of the output gate's LoRA; 0: round(5 sqrt(H))
+    num_heads: int = allowed(4, divides="hidden_dim")  # heads; head width H / num_heads (RWKV fixes 64)
+    chunk_size: int = allowed(64, low=1)  # steps per chunk (chunked) and per checkpointed block (sequential)
+    # rank of the decay LoRA; 0: round(2.5 sqrt(H)) (fla's formula, without its floor of 32)
+    decay_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
+    # rank of the in-context learning rate's LoRA; 0: round(2.5 sqrt(H))
+    iclr_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
+    # rank of the output gate's LoRA; 0: round(5 sqrt(H))
+    gate_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
 
     name = "rwkv7"
     time_scans = ("sequential", "chunked")
@@ -89,9 +93,7 @@ class RWKV7(SequenceCell):
 
     def option_problem(self):
         return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             at_least_problem("model.chunk_size", self.chunk_size, 1),
-                             *(at_least_problem(f"model.{key}", getattr(self, key), 0, " (0 = from hidden_dim)")
-                               for key in ("decay_rank", "iclr_rank", "gate_rank")))
+                             super().option_problem())
 
     def input_init(self):
         return nn.initializers.zeros_init()

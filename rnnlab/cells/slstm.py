@@ -37,8 +37,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import at_least_problem, causal_conv, divisor_problem, fan_in_uniform, first_problem
+from rnnlab.cells.common import causal_conv, divisor_problem, fan_in_uniform, first_problem
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
+from rnnlab.options import allowed
 from rnnlab.recurrence import linear, scan, scan_cell
 from rnnlab.recurrence import recurrence as custom_recurrence
 
@@ -67,8 +68,10 @@ class SLSTM(SequenceCell):
     input_bias = False  # the cell owns b: [4H], head-major, with the reference's forget-gate init
     uses_layer_input = True  # the convolution reads x itself
 
-    num_heads: int = 4  # heads; R is block-diagonal with one [d, 4d] block per head (d = H / num_heads)
-    conv_size: int = 4  # taps of the causal convolution feeding i and f; 0 = off
+    # heads; R is block-diagonal with one [d, 4d] block per head (d = H / num_heads)
+    num_heads: int = allowed(4, divides="hidden_dim")
+    # taps of the causal convolution feeding i and f; 0 = off
+    conv_size: int = allowed(4, low=0, note="0 = no convolution")
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential",)
     default_recurrence: ClassVar[str] = "custom_vjp"  # conf/model/slstm.yaml's (init: SequenceCell's)
@@ -84,7 +87,7 @@ class SLSTM(SequenceCell):
 
     def option_problem(self):
         return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             at_least_problem("model.conv_size", self.conv_size, 0, " (0 = no convolution)"))
+                             super().option_problem())
 
     def state_floats(self, seq_len):
         return 4 * self.hidden_dim  # c, n, m, h

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entropy, register_task
+from rnnlab.options import allowed
+from rnnlab.tasks.registry import IGNORE, Task, masked_cross_entropy, register_task
 
 PLUS, MINUS, TIMES = 0, 1, 2  # operator codes; their token ids are modulus + code (Deletang's order)
 MAX_MODULUS = 64  # the baseline's exact computation (`memoryless_entropy`) costs modulus^3 per term
@@ -82,7 +83,8 @@ class ModularArithmeticTask(Task):
     affine maps that each `operator residue` pair applies to the evaluation state (`compose`).
     """
 
-    modulus: int = 5  # m: residues 0 .. m-1, and the value's range (Deletang et al.: 5)
+    # m: residues 0 .. m-1, and the value's range (Deletang et al.: 5)
+    modulus: int = allowed(5, low=2, high=MAX_MODULUS)
 
     name = "modular_arithmetic"
     min_seq_len = 1
@@ -103,10 +105,6 @@ class ModularArithmeticTask(Task):
     @property
     def baseline_loss(self) -> float:
         return memoryless_entropy(self.modulus, self.total_len)
-
-    def check(self) -> None:
-        if not 2 <= self.modulus <= MAX_MODULUS:
-            raise OptionError(f"key 'data.modulus': got {self.modulus}, allowed: 2 .. {MAX_MODULUS}")
 
     def sample_padded(self, key, length):
         """-> (inputs int32[T'] token ids, padding after the expression; targets int32[T'])."""

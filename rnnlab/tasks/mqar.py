@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab.options import allowed
 from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entropy, per_position_uniform, register_task
 
 
@@ -32,8 +33,9 @@ class MQARTask(Task):
     """
 
     vocab_size: int = 32  # V: keys and values, half each
-    num_pairs: int = 4  # P: key-value pairs, each queried once
-    power_a: float = 0.01  # query slot distribution, as Zoology's power_a (1: uniform)
+    num_pairs: int = allowed(4, low=1)  # P: key-value pairs, each queried once
+    # query slot distribution, as Zoology's power_a (1: uniform)
+    power_a: float = allowed(0.01, low=0.0, low_open=True, high=1.0)
 
     name = "mqar"
     token_inputs = True
@@ -55,13 +57,10 @@ class MQARTask(Task):
         return math.log(self.vocab_size // 2)
 
     def check(self) -> None:
-        if self.num_pairs < 1:
-            raise OptionError(f"key 'data.num_pairs': got {self.num_pairs}, must be >= 1")
+        super().check()
         if self.vocab_size % 2 or self.vocab_size < 2 * self.num_pairs:
             raise OptionError(f"key 'data.vocab_size': got {self.vocab_size}, must be even and >= 2 x "
                               f"data.num_pairs = {2 * self.num_pairs} (distinct keys and values, half each)")
-        if not 0.0 < self.power_a <= 1.0:
-            raise OptionError(f"key 'data.power_a': got {self.power_a}, must be in (0, 1]")
 
     def sample_padded(self, key, length):
         """-> (inputs int32[T] token ids, padding from step `length` on; targets int32[T])."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from rnnlab.options import allowed, declared_problem
 from rnnlab.registry import Registry
 
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -58,7 +59,7 @@ class Task:
     whatever the vocabulary, where a one-hot matrix would cost [T, input_dim] per example.
     """
 
-    seq_len: int
+    seq_len: int = allowed(at_least="min_seq_len")  # checked by `rnnlab.tasks.check_data`, which names the task
 
     name: ClassVar[str]
     input_dim: ClassVar[int]  # width of the model's input at each time step (token tasks: the number of symbols)
@@ -119,7 +120,11 @@ class Task:
 
     def check(self) -> None:
         """Raise `OptionError` for an option out of range (called when the config is checked, before
-        any compile); the minimum `seq_len` is checked apart, against `min_seq_len`."""
+        any compile): the options' declared ranges (`rnnlab.options.allowed`); a task adds its checks
+        across keys after these. The minimum `seq_len` is checked apart, against `min_seq_len`."""
+        problem = declared_problem(self, "data.")
+        if problem:
+            raise OptionError(problem)
 
     def with_seq_len(self, seq_len: int) -> "Task":
         """The same task at another length (for `data.eval_seq_lens`)."""

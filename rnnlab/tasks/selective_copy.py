@@ -8,7 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rnnlab.tasks.registry import IGNORE, OptionError, Task, masked_cross_entropy, per_position_uniform, register_task
+from rnnlab.options import allowed
+from rnnlab.tasks.registry import IGNORE, Task, masked_cross_entropy, per_position_uniform, register_task
 
 
 @register_task
@@ -31,8 +32,8 @@ class SelectiveCopyTask(Task):
     after its last recall step.
     """
 
-    num_tokens: int = 4  # K: data symbols to recall
-    vocab_size: int = 8  # V: data symbols
+    num_tokens: int = allowed(4, low=1)  # K: data symbols to recall
+    vocab_size: int = allowed(8, low=2)  # V: data symbols
 
     name = "selective_copy"
     token_inputs = True
@@ -64,12 +65,6 @@ class SelectiveCopyTask(Task):
     @property
     def baseline_loss(self) -> float:
         return math.log(self.vocab_size)
-
-    def check(self) -> None:
-        if self.num_tokens < 1:
-            raise OptionError(f"key 'data.num_tokens': got {self.num_tokens}, must be >= 1")
-        if self.vocab_size < 2:
-            raise OptionError(f"key 'data.vocab_size': got {self.vocab_size}, must be >= 2")
 
     def sample_padded(self, key, length):
         """-> (inputs int32[T+1+K] token ids, padding after step length+K; targets int32[T+1+K])."""

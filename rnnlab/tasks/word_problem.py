@@ -124,6 +124,7 @@ class WordProblemTask(Task):
         return (1 - 1 / self.seq_len) * math.log(self.order)
 
     def check(self) -> None:
+        super().check()
         parse_group(self.group)
 
     def sample_padded(self, key, length):
