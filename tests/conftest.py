@@ -16,6 +16,11 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests check what a program computes, not how fast it runs, and XLA's optimisation passes are most of a
+# tiny program's compile: without them (this process and its train.py subprocesses) the fast tier takes
+# 246 s instead of 409 from an empty cache (docs/benchmarks.md). The benchmarks and asv compile as users
+# do. JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest runs the suite on optimised programs.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 # JAX's persistent compilation cache for this process and its train.py subprocesses, every
 # program kept (the defaults keep only those that took a second to compile).
