@@ -2,10 +2,10 @@
 checks (`rnnlab.config.validate`, a cell's `option_problem`, a task's `check`) and the config fuzzer
 (tests/test_fuzz_config.py, which draws each key's boundary values from it) read the same bounds.
 
-A declaration holds what one key alone decides: a range with open or closed ends, a list of
-choices, whether null is allowed. Checks that involve other keys stay code beside the class; where
-such a check has a boundary the fuzzer can draw (a divisor of the cell's hidden_dim, at least the
-task's minimum length), the declaration names it (`divides`, `at_least`) for the fuzzer alone.
+A declaration holds what one key decides: a range with open or closed ends, a list of choices,
+whether null is allowed, and a width of its owner it must divide (`divides`: a cell's heads). Other
+checks across keys stay code beside the class; where one has a boundary the fuzzer can draw (at
+least the task's minimum length), the declaration names it (`at_least`) for the fuzzer alone.
 """
 
 from __future__ import annotations
@@ -30,21 +30,28 @@ class Allowed:
     null: bool = False  # null is allowed (the field's type is Optional)
     choices: Choices | None = None
     note: str = ""  # what a value means, shown in parentheses after the range (e.g. "0 = off")
-    # Boundaries of checks that involve another value, drawn by the fuzzer and checked by the owner's code:
-    divides: str | None = None  # the owner's attribute (a cell's hidden_dim) this value must be a divisor of
-    at_least: str | None = None  # the owner's attribute (a task's min_seq_len) this value must reach
+    divides: str | None = None  # the owner's attribute (a cell's hidden_dim) this value must be >= 1 and divide
+    # a boundary checked by the owner's code and drawn by the fuzzer: the owner's attribute (a task's
+    # min_seq_len) this value must reach
+    at_least: str | None = None
 
     def allowed_choices(self) -> tuple[str, ...] | None:
         """The choices as a tuple (a callable's names read now), or None for a key without choices."""
         return self.choices() if callable(self.choices) else self.choices
 
-    def problem(self, key: str, value: Any) -> str | None:
-        """The one line refusing `value` for `key` ("key 'k': got v, ..."), or None if it is allowed."""
+    def problem(self, key: str, value: Any, owner: Any = None) -> str | None:
+        """The one line refusing `value` for `key` ("key 'k': got v, ..."), or None if it is allowed;
+        `owner` (the cell or task holding the field) gives the width a `divides` key must divide."""
         if value is None:
             return None  # the field's type decided whether null may reach here (rnnlab.config's coercion)
         choices = self.allowed_choices()
         if choices is not None:
             return None if value in choices else f"key '{key}': got {value!r}, allowed: {', '.join(choices)}"
+        if self.divides and owner is not None:
+            width = getattr(owner, self.divides)
+            if value < 1 or width % value:
+                note = f" ({self.note})" if self.note else ""
+                return f"key '{key}': got {value!r}, must be >= 1 and divide {self.divides}={width}{note}"
         too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
         too_high = self.high is not None and (value >= self.high if self.high_open else value > self.high)
         return f"key '{key}': got {value!r}, {self.describe()}" if too_low or too_high else None
@@ -81,7 +88,7 @@ def declared_problem(instance: Any, prefix: str) -> str | None:
     `prefix + field name` (e.g. "model.window"); None if every declared value is allowed."""
     for field in dataclasses.fields(instance):
         rule = declaration(field)
-        problem = rule and rule.problem(prefix + field.name, getattr(instance, field.name))
+        problem = rule and rule.problem(prefix + field.name, getattr(instance, field.name), instance)
         if problem:
             return problem
     return None

@@ -357,7 +357,7 @@ def test_mamba_starts_as_the_paper_initialises_it():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=attention", "hidden_dim=6"], r"^key 'model.num_heads': got 4, must be a positive divisor of hidden_dim=6"),
+    (["model=attention", "hidden_dim=6"], r"^key 'model.num_heads': got 4, must be >= 1 and divide hidden_dim=6$"),
     (["model=attention", "model.num_heads=3"], r"^key 'model.num_heads': got 3"),
     (["model=attention", "model.time_scan=sequential"],
      r"^key 'model.time_scan': got 'sequential', allowed for cell 'attention': parallel, blockwise"),

@@ -438,16 +438,17 @@ def test_every_number_key_is_declared_or_checked_across_keys():
 
 @pytest.mark.slow
 def test_the_boundary_draws_catch_a_missing_divisor_check(monkeypatch):
-    """Planted bug: attention without its num_heads divisor check, so `model=attention model.num_heads=3`
-    (hidden_dim 64) passes the config and would fail in the model's reshape after a user's run started.
+    """Planted bug: the declarations' divisor check (`Allowed.divides`) dropped, so `model=attention
+    model.num_heads=3` (hidden_dim 64) passes the config and would fail in the model's reshape after a
+    user's run started.
     Attention's boundary draws find it (and the init by shape does too). Of 300 random draws
     (`override_lists`, the fuzz tests' settings), measured once: none ran differently under the bug (none
     set model.num_heads with model=attention), and none could have failed the random property, which
     allows exit 0."""
-    from rnnlab.cells import Cell
-    from rnnlab.cells.attention import Attention
+    from rnnlab import options
 
-    monkeypatch.setattr(Attention, "option_problem", Cell.option_problem)  # the declared ranges alone
+    checked = options.Allowed.problem
+    monkeypatch.setattr(options.Allowed, "problem", lambda rule, key, value, owner=None: checked(rule, key, value))
     found = [draw for draw in boundaries() if draw.overrides[0] == "model=attention" and violation(draw)]
     assert {draw.key for draw in found} == {"model.num_heads"}
     assert init_problem(("model=attention", "model.num_heads=3"))
@@ -464,10 +465,10 @@ def test_the_boundary_draws_catch_an_off_by_one_at_a_closed_upper_end(monkeypatc
 
     checked = options.Allowed.problem
 
-    def off_by_one(rule, key, value):
+    def off_by_one(rule, key, value, owner=None):
         if rule.high is not None and not rule.high_open and value == rule.high + 1:
             return None
-        return checked(rule, key, value)
+        return checked(rule, key, value, owner)
 
     monkeypatch.setattr(options.Allowed, "problem", off_by_one)
     found = [draw for draw in boundaries() if len(draw.overrides) == 1 and violation(draw)]  # the Config's keys

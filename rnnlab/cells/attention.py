@@ -28,9 +28,9 @@ is its KV cache, 2 T H floats per layer and example (with a window, 2 min(T, w) 
 Forms (`model.time_scan`), the same function:
 
     parallel    `jax.nn.dot_product_attention(q~, k~, v, is_causal=True, local_window_size=(w - 1, 0))`:
-                the framework's kernel, which picks cuDNN's flash attention on a GPU where it applies
-                (bfloat16) and XLA's T x T scores elsewhere (memory and work grow as T^2 there, window
-                or not).
+                JAX's default implementation, XLA's T x T scores on every platform (JAX does not pick
+                cuDNN's flash kernel unless asked, `implementation="cudnn"`, which this form does not
+                ask: memory and work grow as T^2, window or not).
     blockwise   flash attention in plain JAX (Dao et al. 2022) over blocks of `model.block_size` steps:
                 one scan over the (query block, key block) pairs that hold a visible key, an online
                 softmax along each query block's row (running max m, normaliser l and output acc),
@@ -229,12 +229,6 @@ class Attention(SequenceCell):
 
     def param_specs(self):
         return {"W_o": ((self.hidden_dim, self.hidden_dim), nn.initializers.lecun_normal())}
-
-    def option_problem(self):
-        if self.num_heads < 1 or self.hidden_dim % self.num_heads:
-            return (f"key 'model.num_heads': got {self.num_heads}, must be a positive divisor of "
-                    f"hidden_dim={self.hidden_dim} (heads of width hidden_dim / num_heads)")
-        return super().option_problem()
 
     def mix(self, params, u, x, time_scan, unroll, recurrence):
         """u: [T, B, 3H] -> [T, B, H] by the form `time_scan`; `unroll` and `recurrence` are unused."""

@@ -1,7 +1,7 @@
 """What several cell families share: the short causal convolution over time, the initialisers of the
-papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay) and the option checks
-across keys (one line per key; a single key's range is declared on its field, `rnnlab.options`). One
-definition each, so that a cell states which reference it follows by the name it imports."""
+papers' reference code (PyTorch's Linear/Conv1d default, Mamba's step and decay; an option's range is
+declared on its field, `rnnlab.options`). One definition each, so that a cell states which reference it
+follows by the name it imports."""
 
 from __future__ import annotations
 
@@ -20,18 +20,6 @@ def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> ja
     padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
     out = sum(padded[k:k + length] * w[k] for k in range(width))
     return out if bias is None else out + bias
-
-
-def divisor_problem(key: str, value: int, width: int, width_name: str = "hidden_dim") -> str | None:
-    """The one line for a cell option (heads, blocks) that must be >= 1 and divide `width`; None if it does."""
-    if value < 1 or width % value:
-        return f"key '{key}': got {value}, must be >= 1 and divide {width_name} ({width})"
-    return None
-
-
-def first_problem(*problems: str | None) -> str | None:
-    """The first of a cell's option problems, in the order its keys are listed; None if none."""
-    return next((p for p in problems if p), None)
 
 
 def uniform(bound: float):

@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, divisor_problem, first_problem, uniform
+from rnnlab.cells.common import causal_conv, uniform
 from rnnlab.cells.registry import SequenceCell
 from rnnlab.options import allowed
 
@@ -86,10 +86,6 @@ class MatrixCell(SequenceCell):
 
     def state_floats(self, seq_len):
         return self.num_heads * self.head_dim * self.head_dim
-
-    def option_problem(self):
-        return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             super().option_problem())
 
     def param_specs(self):
         h = self.hidden_dim

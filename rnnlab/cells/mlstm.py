@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, divisor_problem, fan_in_uniform, first_problem
+from rnnlab.cells.common import causal_conv, fan_in_uniform
 from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.mlstm_forms import mlstm_chunked, mlstm_parallel, mlstm_recurrent
@@ -39,6 +39,7 @@ from rnnlab.cells.registry import SequenceCell, register_cell
 from rnnlab.options import allowed
 
 NORM_EPS = 1e-5  # the reference's MultiHeadLayerNorm
+INNER = "inner = round(proj_factor * hidden_dim)"  # what the heads and q, k, v blocks divide
 MAX_PROJ_FACTOR = 16.0  # xLSTM's blocks use 2 (mLSTM) and 4/3 (sLSTM)
 
 
@@ -60,12 +61,12 @@ def _linspace(start: float, stop: float):
 @register_cell
 @dataclasses.dataclass(frozen=True)
 class MLSTM(SequenceCell):
-    num_heads: int = allowed(4, divides="inner")  # heads of width D / num_heads
+    num_heads: int = allowed(4, divides="inner", note=INNER)  # heads of width D / num_heads
     # taps of the causal depthwise conv before q and k; 0 = none (SiLU still applies)
     conv_size: int = allowed(4, low=0)
     chunk_size: int = allowed(64, low=1)  # steps per chunk (chunked form) and per checkpointed block (sequential form)
     proj_factor: float = 2.0  # inner width D = round(proj_factor * hidden_dim)
-    qkv_proj_blocksize: int = allowed(4, divides="inner")  # the block-diagonal q, k, v maps' blocks are [b, b]
+    qkv_proj_blocksize: int = allowed(4, divides="inner", note=INNER)  # the block-diagonal q, k, v maps' blocks are [b, b]
     num_blocks: int = allowed(1, low=1)  # the stack's depth, for W_o's init (Wang's: std 2 / (num_blocks sqrt(H)))
 
     name = "mlstm"
@@ -109,10 +110,7 @@ class MLSTM(SequenceCell):
         if not (0 < self.proj_factor <= MAX_PROJ_FACTOR) or self.inner < 1:
             return (f"key 'model.proj_factor': got {self.proj_factor}, must be in (0, {MAX_PROJ_FACTOR:g}] with "
                     f"round(proj_factor * hidden_dim) >= 1")
-        inner = "the inner width round(proj_factor * hidden_dim)"
-        return first_problem(divisor_problem("model.num_heads", self.num_heads, self.inner, inner),
-                             divisor_problem("model.qkv_proj_blocksize", self.qkv_proj_blocksize, self.inner, inner),
-                             super().option_problem())
+        return super().option_problem()  # num_heads and qkv_proj_blocksize divide `inner`
 
     def headwise(self, x: jax.Array, w: jax.Array) -> jax.Array:
         """The block-diagonal map: x [T, B, D] by w [D / b, b, b] -> [T, B, D]."""

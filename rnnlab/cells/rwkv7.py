@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rnnlab.cells.common import divisor_problem, first_problem
 from rnnlab.cells.dplr_forms import dplr_chunked, dplr_flops, dplr_recompute_flops, dplr_recurrent
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
 from rnnlab.options import allowed
@@ -90,10 +89,6 @@ class RWKV7(SequenceCell):
     def state_floats(self, seq_len):
         # S per head; like the other cells' short convolutions, the token shift's x_{t-1} is not counted
         return self.num_heads * self.head_dim * self.head_dim
-
-    def option_problem(self):
-        return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             super().option_problem())
 
     def input_init(self):
         return nn.initializers.zeros_init()

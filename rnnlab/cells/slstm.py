@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, divisor_problem, fan_in_uniform, first_problem
+from rnnlab.cells.common import causal_conv, fan_in_uniform
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
 from rnnlab.options import allowed
 from rnnlab.recurrence import linear, scan, scan_cell
@@ -84,10 +84,6 @@ class SLSTM(SequenceCell):
     @property
     def input_width(self) -> int:
         return (2 if self.conv_size else 4) * self.hidden_dim  # z, o (and i, f without the conv)
-
-    def option_problem(self):
-        return first_problem(divisor_problem("model.num_heads", self.num_heads, self.hidden_dim),
-                             super().option_problem())
 
     def state_floats(self, seq_len):
         return 4 * self.hidden_dim  # c, n, m, h
