@@ -20,7 +20,7 @@ import numpy as np
 from rnnlab import config as cfg
 from rnnlab import memory
 from rnnlab.checkpoint import Checkpointer, CheckpointSaveError, PreemptionGuard
-from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
+from rnnlab.report import NonFiniteLossError, Reporter
 from rnnlab.steps import MAX_STEPS_IN_FLIGHT, StepFunctions
 
 @dataclasses.dataclass(frozen=True)
@@ -158,8 +158,8 @@ class _Loop:
 
     def _evaluate(self, step: int, state: Any) -> None:
         """Every evaluated length, and the eval examples of tasks with a symbol per step."""
-        self.reporter.log_eval(step, self.fns.evaluate(state))
-        examples = self.fns.examples(state, EXAMPLES)
+        by_length, examples = self.fns.evaluate(state)
+        self.reporter.log_eval(step, by_length)
         if examples is not None:
             self.reporter.log_examples(step, *examples)
 

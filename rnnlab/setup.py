@@ -22,7 +22,7 @@ from rnnlab import cpu, flops, memory, parallel, rundir, tasks
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.models import build_model
 from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, create_train_state, default_steps_per_dispatch,
-                          make_dispatch, make_optimizer)
+                          make_dispatch, make_optimizer, run_once_options)
 
 # The run's lines come from one logger (as when trainer.py wrote them all): processes other than 0 quiet it.
 log = logging.getLogger("rnnlab.trainer")
@@ -82,7 +82,8 @@ class Setup:
 
     def init_state(self) -> Any:
         """The unreplicated initial train state."""
-        return create_train_state(self.params_key, self.model, self.example_inputs(), self.tx)
+        return create_train_state(self.params_key, self.model, self.example_inputs(), self.tx,
+                                  run_once_options(self.devices[0].platform))
 
 
 def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpointer) -> Setup:

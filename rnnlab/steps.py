@@ -62,12 +62,21 @@ def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax
     return optax.chain(clip, opt), schedule
 
 
+def run_once_options(platform: str) -> dict[str, Any] | None:
+    """XLA's options for the programs a run calls once (the initialisation, the eval batches' draw): on CPU,
+    LLVM at O1, which compiles them in 60-80% of the default's time to the same values (checked bitwise for
+    every cell and task); elsewhere the defaults."""
+    return {"xla_backend_optimization_level": 1} if platform == "cpu" else None
+
+
 def create_train_state(
-    key: jax.Array, model: nn.Module, example_inputs: jax.Array, tx: optax.GradientTransformation
+    key: jax.Array, model: nn.Module, example_inputs: jax.Array, tx: optax.GradientTransformation,
+    compiler_options: dict[str, Any] | None = None,
 ) -> train_state.TrainState:
     """Unreplicated initial state. example_inputs: the model's input, f32[B, T, I] or token ids
-    int32[B, T] (`Task.example_inputs`; only shapes matter)."""
-    params = jax.jit(model.init)(key, example_inputs)["params"]
+    int32[B, T] (`Task.example_inputs`; only shapes matter). compiler_options: the initialisation's
+    (`run_once_options`); only where this call is not itself traced (JAX takes them at the top level only)."""
+    params = jax.jit(model.init, compiler_options=compiler_options)(key, example_inputs)["params"]
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step: a weakly typed Python 0 would make the second step recompile.
     return state.replace(step=jnp.zeros((), jnp.int32))
@@ -116,10 +125,13 @@ def loss_and_gradients(state: train_state.TrainState, batch: tasks.Batch, task: 
     return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS), jax.lax.pmean(grads, parallel.AXIS)
 
 
-def eval_step(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task) -> dict[str, jax.Array]:
+def eval_step(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task, examples: int = 0) -> Any:
+    """Eval metrics averaged over `AXIS`; with `examples` > 0, (metrics, the outputs of this shard's first
+    `examples` examples): the eval examples come from the eval's own forward, not a second compiled one."""
     outputs = state.apply_fn({"params": state.params}, batch.inputs)
     loss, task_metrics = task.loss_and_metrics(outputs, batch.targets)
-    return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
+    metrics = jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
+    return (metrics, outputs[:examples]) if examples else metrics
 
 
 def make_sampler(task: tasks.Task, stream: jax.Array, per_device: int, dp: parallel.DataParallel) -> Callable:
@@ -137,15 +149,20 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
-def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int,
-                   dp: parallel.DataParallel) -> tuple[Callable, list]:
-    """(p_eval_step, eval batches) of `task`: its eval step mapped over `dp` (state replicated, batch
-    sharded -> replicated metrics) and the `config.eval_batches` batches of the eval stream at the
-    task's length, drawn once on the devices. One per evaluated length: each compiles on its first call."""
-    p_eval_step = dp.map(functools.partial(eval_step, task=task), (parallel.REPLICATED, parallel.SHARDED),
-                         parallel.REPLICATED)
+def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
+                   examples: int = 0) -> Evaluator:
+    """The `Evaluator` of `task`: its eval step mapped over `dp` (state replicated, batch sharded ->
+    replicated metrics, and with `examples` > 0 sharded outputs of each shard's first examples) and the
+    `config.eval_batches` batches of the eval stream at the task's length, drawn once on the devices.
+    One per evaluated length: each eval step compiles on its first call."""
+    out_layouts = (parallel.REPLICATED, parallel.SHARDED) if examples else parallel.REPLICATED
+    p_eval_step = dp.map(functools.partial(eval_step, task=task, examples=examples),
+                         (parallel.REPLICATED, parallel.SHARDED), out_layouts)
     sample = make_sampler(task, tasks.stream_key(config.seed, tasks.EVAL_STREAM), per_device, dp)
-    return p_eval_step, [sample(dp.host_scalar(i)) for i in range(config.eval_batches)]
+    if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
+        options = run_once_options(dp.devices[0].platform)
+        sample = sample.lower(dp.host_scalar(0)).compile(compiler_options=options)
+    return Evaluator(p_eval_step, [sample(dp.host_scalar(i)) for i in range(config.eval_batches)], examples)
 
 
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:
@@ -260,8 +277,9 @@ def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
 class Evaluator(NamedTuple):
     """`make_evaluator`'s eval step of one length and its eval batches, on the devices."""
 
-    step: Callable  # p_eval_step(state, batch) -> replicated metrics
+    step: Callable  # p_eval_step(state, batch) -> replicated metrics (and with examples > 0, sharded outputs)
     batches: list
+    examples: int = 0  # outputs of each shard's first examples that the step also returns
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds functions
@@ -276,7 +294,6 @@ class StepFunctions:
     metric_names: tuple[str, ...]  # train_metric_names: the columns of the dispatch's metrics
     evaluators: dict[int, Evaluator]  # by eval length: data.seq_len's (the usual eval) first, then data.eval_seq_lens'
     gradient_probe: Callable | None  # make_gradient_probe's, with log.histograms_every > 0
-    predict: Callable  # (params, inputs) -> outputs on one device (unreplicated), for the eval examples
 
     def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list[dict[str, float]]:
         """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order. Waits for
@@ -286,21 +303,26 @@ class StepFunctions:
         return [dict(zip(names, map(float, row), strict=True))
                 for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
 
-    def evaluate(self, state: Any) -> dict[int, dict[str, float]]:
-        """Mean eval metrics at every evaluated length (keys as `evaluators`): all dispatched, then one host read."""
+    def evaluate(self, state: Any) -> tuple[dict[int, dict[str, float]], tuple[np.ndarray, ...] | None]:
+        """(mean eval metrics at every evaluated length (keys as `evaluators`), the eval examples): all
+        dispatched, then one host read. The examples are (inputs, targets, outputs) of the first examples
+        of the usual eval's first batch (the first device's), for tasks whose targets are a symbol per
+        step ([B, T]) where its evaluator returns outputs; else None."""
         dispatched = [[evaluator.step(state, batch) for batch in evaluator.batches]
                       for evaluator in self.evaluators.values()]
-        return {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
-                for n, rows in zip(self.evaluators, self.dp.to_host(dispatched))}
-
-    def examples(self, state: Any, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """(inputs, targets, outputs) of the first `count` examples of the usual eval's first batch, for
-        tasks whose targets are a symbol per step ([B, T]); None for the others."""
-        batch = self.dp.to_host(next(iter(self.evaluators.values())).batches[0])
-        inputs, targets = np.asarray(batch.inputs[:count]), np.asarray(batch.targets[:count])
-        if targets.ndim != 2:
-            return None
-        return inputs, targets, np.asarray(self.predict(self.dp.to_host(state.params), inputs))
+        usual = next(iter(self.evaluators.values()))
+        shown = None
+        if usual.examples:
+            shown = (usual.batches[0], dispatched[0][0][1])
+            dispatched[0] = [metrics for metrics, _ in dispatched[0]]
+        metrics, shown = self.dp.to_host((dispatched, shown))
+        by_length = {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
+                     for n, rows in zip(self.evaluators, metrics)}
+        if shown is None or np.ndim(shown[0].targets) != 2:
+            return by_length, None
+        batch, outputs = shown
+        count = len(outputs)
+        return by_length, (np.asarray(batch.inputs[:count]), np.asarray(batch.targets[:count]), np.asarray(outputs))
 
     def param_stats(self, state: Any) -> tuple[Any, Any]:
         """(parameters, the gradients the next update applies), on the host; every process computes the
@@ -308,19 +330,19 @@ class StepFunctions:
         return self.dp.to_host((state.params, self.gradient_probe(state)))
 
 
-def make_step_functions(config: cfg.Config, task: tasks.Task, model: nn.Module, schedule: optax.Schedule,
-                        devices: Sequence[jax.Device], steps_per_dispatch: int) -> StepFunctions:
-    """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now."""
+def make_step_functions(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule,
+                        devices: Sequence[jax.Device], steps_per_dispatch: int, examples: int = 0) -> StepFunctions:
+    """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now.
+    examples: how many eval examples the usual eval also returns the outputs of (`StepFunctions.evaluate`)."""
     per_device = config.batch_size // len(devices)
     dp = parallel.DataParallel(devices, config.device.strategy)
     dispatch = make_dispatch(config, task, schedule, dp, per_device, steps_per_dispatch)
     # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length.
-    evaluators = {task.seq_len: Evaluator(*make_evaluator(config, task, per_device, dp))}
-    evaluators |= {n: Evaluator(*make_evaluator(config, task.with_seq_len(n), per_device, dp))
+    evaluators = {task.seq_len: make_evaluator(config, task, per_device, dp, examples)}
+    evaluators |= {n: make_evaluator(config, task.with_seq_len(n), per_device, dp)
                    for n in config.data.eval_seq_lens if n != task.seq_len}
     return StepFunctions(
         dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
         gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
-        predict=jax.jit(lambda params, x: model.apply({"params": params}, x)),
     )

@@ -21,7 +21,7 @@ from rnnlab import memory, parallel
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.loop import Outcome, train_loop
 from rnnlab.models import count_params, summary_table
-from rnnlab.report import NonFiniteLossError, Reporter
+from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.rundir import RunDirLock, check_writable, resumed_record, run_record
 from rnnlab.setup import Setup, plan
 from rnnlab.steps import StepFunctions, make_step_functions
@@ -56,8 +56,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
         try:
             setup = plan(config, workdir, devices, checkpointer)
             state, start_step = _restore_or_init(setup, checkpointer)
-            fns = make_step_functions(config, setup.task, setup.model, setup.schedule, setup.devices,
-                                      setup.steps_per_dispatch)
+            fns = make_step_functions(config, setup.task, setup.schedule, setup.devices, setup.steps_per_dispatch,
+                                      EXAMPLES)
             reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied)
             cleanup.callback(reporter.close)
             num_params = count_params(state.params)

@@ -76,3 +76,20 @@ def test_the_check_finds_a_lazy_circle(tmp_path):
     (pkg / "a.py").write_text("from pkg.b import f\n")
     (pkg / "b.py").write_text("def f():\n    from pkg import a  # lazy\n    return a\n")
     assert circles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
+
+
+def test_the_run_imports_tensorboardx_without_torch():
+    """train.py's imports leave torch out (tensorboardX's writer would import it where the bench or refs extra
+    installed it: most of a run's start-up), and torch still imports afterwards where it is installed."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys\n"
+            "import rnnlab.board, rnnlab.metrics, rnnlab.trainer\n"
+            "from tensorboardX import SummaryWriter\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "if importlib.util.find_spec('torch'):\n"
+            "    import torch\n"
+            "    assert torch.zeros(2).sum().item() == 0\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -214,7 +214,7 @@ def test_train_step_compiles_once(tmp_path, caplog, strategy):
             jax.config.update("jax_log_compiles", False)
     # The train step (which draws its own batch), the eval sampler and the eval step compile
     # once each (pmap logs them all as jit(_fun)); nothing more over 40 steps.
-    names = ("jit(_fun)", "jit(steps)", "jit(one_step)", "jit(sample)", "jit(train_step)", "jit(eval_step)")
+    names = ("jit(_fun)", "jit(steps)", "jit(one_step)", "jit(sample)", "jit(train_step)", "jit(eval_step)", "jit(<lambda>)")
     compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith(tuple(f"Compiling {n}" for n in names))]
     assert len(compiles) == 3, compiles
 
