@@ -7,6 +7,7 @@ or alone with `pytest -m slow`. Compiled programs persist across test sessions i
 compilation cache under `.pytest_cache/` (never the user's cache): a rerun skips XLA's work.
 """
 
+import contextlib
 import importlib
 import os
 import subprocess
@@ -132,6 +133,21 @@ def saved_record(workdir, step):
 
     with ocp.CheckpointManager((Path(workdir) / "checkpoints").absolute()) as manager:
         return manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+
+
+@contextlib.contextmanager
+def xla_optimizations():
+    """XLA's optimisation passes on in this process, as users compile, for a test that holds two differently built
+    programs bit-identical: unoptimised, they are not always (the step inside a fori_loop and the same step alone
+    round one value of 40 steps' parameters 1 ulp apart for one initialisation), optimised they are."""
+    import jax
+
+    previous = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", previous)
 
 
 def assert_same_tree(a, b):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_same_tree, compose_config, fast_first, saved_state, tiny_config
+from conftest import assert_same_tree, compose_config, fast_first, saved_state, tiny_config, xla_optimizations
 from rnnlab import parallel, tasks
 from rnnlab.models import build_model
 from rnnlab.steps import create_train_state, make_optimizer, pmap_sampler, train_metric_names, train_step
@@ -119,12 +119,14 @@ def test_resumed_run_continues_from_the_saved_step_and_matches(tmp_path, caplog)
 @pytest.mark.slow
 def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
     """Dispatches of up to 8 or 5 steps end exactly at every log, eval and checkpoint step and
-    run the same steps as one step per dispatch: same parameters, same logged metrics."""
+    run the same steps as one step per dispatch: same parameters, same logged metrics (compiled as users
+    compile: `xla_optimizations`)."""
     runs = {}
     for k in (1, 5, 8):
         config = tiny_config("steps=40", "log_every=20", "eval_every=25", "checkpoint.every=30", "checkpoint.keep=5",
                              f"device.steps_per_dispatch={k}")
-        runs[k] = train_and_evaluate(config, tmp_path / str(k))
+        with xla_optimizations():
+            runs[k] = train_and_evaluate(config, tmp_path / str(k))
         assert runs[k]["step"] == 40
         events = EventAccumulator(str(tmp_path / str(k) / "tensorboard"))
         events.Reload()
