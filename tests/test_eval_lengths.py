@@ -119,3 +119,25 @@ def test_train_py_exits_2_with_one_line_for_a_bad_data_key(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("rnnlab: error: key 'data.min_seq_len': got 3, but every "
                                                            "adding example has data.seq_len steps")
+
+
+@pytest.mark.parametrize("strategy", fast_first(["pmap", "shard_map"]))
+def test_eval_examples_are_the_models_outputs_on_their_inputs(strategy):
+    """The examples the eval step returns beside its metrics are the model's outputs on the first device's first
+    examples, as a separate `model.apply` gives them."""
+    import numpy as np
+
+    from rnnlab import steps, tasks
+    from rnnlab.models import build_model
+
+    config = tiny_config("data=copy", "data.seq_len=12", "batch_size=8", f"device.strategy={strategy}")
+    task = tasks.make_task(config.data)
+    model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
+    tx, schedule = steps.make_optimizer(config.optimizer, config.steps)
+    devices = jax.devices()[:2]
+    fns = steps.make_step_functions(config, task, schedule, devices, 1, examples=3)
+    state = steps.create_train_state(jax.random.key(1), model, task.example_inputs(1), tx)
+    _, examples = fns.evaluate(fns.dp.replicate(state))
+    inputs, targets, outputs = examples
+    assert inputs.shape[0] == targets.shape[0] == outputs.shape[0] == 3
+    np.testing.assert_allclose(outputs, model.apply({"params": state.params}, inputs), rtol=1e-5, atol=1e-6)
