@@ -5,17 +5,7 @@
 # tensorboardX in .whl/ (pip download / pip wheel), and the script installs them first. Results go to $OUT.
 #   bash scripts/gpu_round.sh             # about 9 minutes on one H100
 #   SMALL=1 bash scripts/gpu_round.sh     # tiny sizes: checks the script itself on a CPU in about 6 minutes
-set -u
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-small=${SMALL:-0}
-log() { echo "== $(date +%T) $*"; }
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>/dev/null
-python3 -c "import jax, flax, optax, orbax.checkpoint, hydra; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__)" || exit 1
+source "$(dirname "$0")/gpu_env.sh"
 
 log "1. Elman H=100 row"
 steps=400; [ "$small" = 1 ] && steps=40

@@ -58,7 +58,7 @@ def orthogonal(gain: float):
 @dataclasses.dataclass(frozen=True)
 class RWKV7(SequenceCell):
     num_heads: int = allowed(4, divides="hidden_dim")  # heads; head width H / num_heads (RWKV fixes 64)
-    chunk_size: int = allowed(64, low=1)  # steps per chunk (chunked) and per checkpointed block (sequential)
+    chunk_size: int = allowed(16, low=1)  # steps per chunk (chunked) and per checkpointed block (sequential); fla's 16
     # rank of the decay LoRA; 0: round(2.5 sqrt(H)) (fla's formula, without its floor of 32)
     decay_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
     # rank of the in-context learning rate's LoRA; 0: round(2.5 sqrt(H))
