@@ -7,7 +7,10 @@ the task's headline metric at the training length (results.json's `eval_metrics`
 at `data.seq_len`; never `eval_by_len`'s longer lengths). An lr is a candidate only if every one of its
 seeds completed with a finite score: a diverged or failed job fails its lr, not the setting. The best
 candidate wins (highest for a metric, lowest for a loss or error; the smaller lr on a tie), and its
-jobs' results at every length are what the tables report. Used by summarize.py; no plotting here.
+jobs' results at every length are what the tables report. Where the lrs have different seeds (the grid
+on seed 0, then more seeds at the lr it chose: scripts/zoo_queue.py), the means compared are over the
+seeds every lr has, so the extra seeds report the choice and do not change it. Used by summarize.py;
+no plotting here.
 """
 
 from __future__ import annotations
@@ -90,7 +93,15 @@ def settings(overrides: Sequence[dict[str, str]], results: Sequence[dict[str, An
     for setting, by_lr in groups.items():
         grid = [LrResult(lr, jobs, [training_length_score(results[j], metric) for j in jobs])
                 for lr, jobs in sorted(by_lr.items())]
-        choices.append(Choice(setting, grid, choose(grid, metric)))
+        seeds = [{overrides[j].get(SEED_KEY) for j in g.jobs} for g in grid]
+        shared = set.intersection(*seeds) if grid else set()
+        # Compared on the shared seeds; an lr any of whose seeds failed is still no candidate.
+        compared = [LrResult(g.lr, g.jobs, g.scores) if not shared or g.mean is None else
+                    LrResult(g.lr, *map(list, zip(*[(j, s) for j, s in zip(g.jobs, g.scores)
+                                                    if overrides[j].get(SEED_KEY) in shared])))
+                    for g in grid]
+        best = choose(compared, metric)
+        choices.append(Choice(setting, grid, grid[compared.index(best)] if best else None))
     return choices
 
 

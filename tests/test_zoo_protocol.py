@@ -212,3 +212,18 @@ def config_value(config, key: str):
     group, name = key.split(".", 1) if "." in key else (None, key)
     node = getattr(config, group) if group else config
     return getattr(node, name) if hasattr(node, name) else dict(node.options)[name]
+
+
+def test_seeds_added_at_the_chosen_lr_report_the_choice_without_changing_it(tmp_path, summarize):
+    # The grid on seed 0 ties 0.003 with 0.01 (the smaller wins); seeds 1 and 2 then ran at 0.003 alone and
+    # score lower. Compared over every seed of each lr, 0.01's one seed (1.0) would beat 0.003's mean (0.9).
+    table = {("gdn", lr, 0): ("completed", a, a) for lr, a in zip(LRS, (0.2, 0.5, 1.0, 1.0))}
+    table |= {("gdn", "0.003", 1): ("completed", 0.8, 0.8), ("gdn", "0.003", 2): ("completed", 0.9, 0.9)}
+    zoo = summarize.Zoo(summarize.Sweep(grid_sweep(tmp_path / "zoo", table)))
+    (choice,) = zoo.choices
+    assert choice.lr == 0.003 and len(choice.best.jobs) == 3
+    assert zoo.values[0][TRAIN_LEN] == pytest.approx(0.9)
+    # A failed extra seed still fails its lr: the next lr on the shared seed wins.
+    table[("gdn", "0.003", 2)] = ("diverged", None, None)
+    zoo = summarize.Zoo(summarize.Sweep(grid_sweep(tmp_path / "zoo2", table)))
+    assert zoo.choices[0].lr == 0.01
