@@ -65,7 +65,7 @@ stacks="gated_deltanet gdn3_attention1 gdn1_attention1 attention1_gdn3 gdn3_wind
 settings=()
 for s in $stacks; do settings+=(--setting "experiment=zoo_hybrid hybrid=$s data.num_pairs=16"); done
 for s in $stacks; do settings+=(--setting "experiment=zoo_hybrid_selective_copy hybrid=$s"); done
-extra=(); [ "$small" = 1 ] && extra=(steps=20 eval_every=10 log_every=10 hidden_dim=16) && stacks="gdn3_window1 attention"
+extra=(); [ "$small" = 1 ] && extra=(steps=20 eval_every=10 log_every=10 hidden_dim=16)
 [ "$small" = 1 ] && settings=(--setting "experiment=zoo_hybrid hybrid=gdn3_window1 data.num_pairs=4" --setting "experiment=zoo_hybrid_selective_copy hybrid=attention")
 python3 scripts/zoo_queue.py --out /tmp/zq --parallel ${PARALLEL:-8} --deadline $deadline --grace 15 "${settings[@]}" \
   -- checkpoint.enabled=false device.steps_per_dispatch=8 "${extra[@]}" 2>&1 | grep -E "setting|deadline|done|failed|diverged" 
