@@ -47,12 +47,13 @@ def unit(x):
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
-def rwkv_inputs(length, seed=0, d=D, heads=HEADS, min_log_w=LOG_W_MIN):
-    """q, k, v, a = -kappa, b = kappa * iclr, log_w in [min_log_w, 0] (RWKV-7's range by default), float64."""
+def rwkv_inputs(length, seed=0, d=D, heads=HEADS, min_log_w=LOG_W_MIN, max_iclr=1.0):
+    """q, k, v, a = -kappa, b = kappa * iclr, log_w in [min_log_w, 0] (RWKV-7's range by default), iclr in
+    (0, max_iclr) (2: `allow_neg_eigval`), float64."""
     rng = np.random.default_rng(seed)
     q, k, v = (rng.normal(size=(length, B, heads, d)) for _ in range(3))
     kappa = unit(rng.normal(size=(length, B, heads, d)))
-    iclr = sigmoid(rng.normal(size=kappa.shape))
+    iclr = max_iclr * sigmoid(rng.normal(size=kappa.shape))
     log_w = min_log_w * sigmoid(2 * rng.normal(size=kappa.shape))
     return [q, k, v, -kappa, kappa * iclr, log_w]
 
@@ -75,16 +76,24 @@ def test_forms_match_numpy(form, length):
     assert_close(FORMS[form](*f32(args)), numpy_dplr(*args))
 
 
-def grads(form, length=LENGTHS[0]):
-    args = rwkv_inputs(length, seed=1)
+@pytest.mark.parametrize("form", list(FORMS))
+def test_forms_match_numpy_with_iclr_up_to_2(form):
+    """allow_neg_eigval's range: b = 2 sigmoid(.) kappa, the transition's eigenvalues to -1 and below."""
+    args = rwkv_inputs(LENGTHS[0], seed=6, max_iclr=2.0)
+    assert_close(FORMS[form](*f32(args)), numpy_dplr(*args))
+
+
+def grads(form, length=LENGTHS[0], max_iclr=1.0):
+    args = rwkv_inputs(length, seed=1, max_iclr=max_iclr)
     weights = np.random.default_rng(2).normal(size=args[2].shape)
     loss = lambda *xs: jnp.sum(FORMS[form](*xs) * weights)  # noqa: E731
     return args, weights, jax.grad(loss, argnums=tuple(range(6)))(*f32(args))
 
 
-def test_chunked_grads_match_recurrent():
-    _, _, g_rec = grads("recurrent")
-    _, _, g_chunk = grads("chunked")
+@pytest.mark.parametrize("max_iclr", fast_first([1.0, 2.0]))
+def test_chunked_grads_match_recurrent(max_iclr):
+    _, _, g_rec = grads("recurrent", max_iclr=max_iclr)
+    _, _, g_chunk = grads("chunked", max_iclr=max_iclr)
     for a, b in zip(g_chunk, g_rec):
         assert_close(a, b)
 
@@ -118,8 +127,9 @@ def test_strong_decays_do_not_overflow():
 H = HEADS * D
 
 
-def numpy_layer(p, x, heads=HEADS):
-    """RWKV-7's time mixing (the cell's module docstring) in float64: x [T, B, H] -> [T, B, H]."""
+def numpy_layer(p, x, heads=HEADS, allow_neg_eigval=False):
+    """RWKV-7's time mixing (the cell's module docstring) in float64: x [T, B, H] -> [T, B, H];
+    `allow_neg_eigval`: the in-context learning rate a doubled, in (0, 2)."""
     t_len, batch, h = x.shape
     d = h // heads
     split = lambda y: y.reshape(t_len, batch, heads, d)  # noqa: E731
@@ -127,7 +137,7 @@ def numpy_layer(p, x, heads=HEADS):
     xs = {c: x + (prev - x) * p[f"x_{c}"] for c in "rwkvag"}
     r, k, v = xs["r"] @ p["W_r"], xs["k"] @ p["W_k"], xs["v"] @ p["W_v"]
     log_w = -np.exp(-0.5) * sigmoid(np.tanh(xs["w"] @ p["w_1"]) @ p["w_2"] + p["w_0"])
-    a = sigmoid(xs["a"] @ p["a_1"] @ p["a_2"] + p["a_0"])
+    a = sigmoid(xs["a"] @ p["a_1"] @ p["a_2"] + p["a_0"]) * (2 if allow_neg_eigval else 1)
     g = sigmoid(xs["g"] @ p["g_1"]) @ p["g_2"]
     kappa = unit(split(k * p["k_k"]))
     k = k * (1 + (a - 1) * p["k_a"])
@@ -149,13 +159,16 @@ def cell_and_params(hidden=H, heads=HEADS, seed=0, **options):
     return cell, params
 
 
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])
 @pytest.mark.parametrize("time_scan", ["chunked", "sequential"])
-def test_layer_matches_numpy(time_scan):
-    cell, params = cell_and_params(decay_rank=3, iclr_rank=2, gate_rank=5)
+def test_layer_matches_numpy(time_scan, allow_neg_eigval):
+    cell, params = cell_and_params(decay_rank=3, iclr_rank=2, gate_rank=5, allow_neg_eigval=allow_neg_eigval)
     x = np.random.default_rng(7).normal(size=(11, B, H))
     out = cell.mix(jax.tree_util.tree_map(jnp.float32, params), jnp.zeros((11, B, 0)), jnp.float32(x), time_scan, 1,
                    "autodiff")
-    assert_close(out, numpy_layer(params, x), rtol=5e-5)
+    assert_close(out, numpy_layer(params, x, allow_neg_eigval=allow_neg_eigval), rtol=5e-5)
+    if allow_neg_eigval:  # the switch is wired: the unswitched layer differs
+        assert np.abs(np.asarray(out) - numpy_layer(params, x)).max() > 1e-2 * np.abs(np.asarray(out)).max()
 
 
 @pytest.mark.parametrize("time_scan", fast_first(["sequential", "chunked"]))
@@ -244,13 +257,14 @@ def to_fla(torch, x):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("length", (16, 37))
+@pytest.mark.parametrize("length, max_iclr", [(16, 1.0), (37, 1.0), (37, 2.0)])
 @pytest.mark.parametrize("reference, form", [("dplr_recurrence", "recurrent"), ("dplr_chunkwise", "chunked")])
-def test_forms_match_fla(torch, dplr_naive, reference, form, length):
-    """Outputs and every input's gradient (one random cotangent) against fla's naive functions, float32.
-    fla scales q by dk^-1/2: it gets q dk^1/2. dplr_chunkwise needs whole chunks: padded with zeros (w = 1)."""
+def test_forms_match_fla(torch, dplr_naive, reference, form, length, max_iclr):
+    """Outputs and every input's gradient (one random cotangent) against fla's naive functions, float32; the
+    in-context learning rate also in allow_neg_eigval's (0, 2). fla scales q by dk^-1/2: it gets q dk^1/2.
+    dplr_chunkwise needs whole chunks: padded with zeros (w = 1)."""
     d, chunk = 8, 8
-    args = rwkv_inputs(length, seed=9, d=d)
+    args = rwkv_inputs(length, seed=9, d=d, max_iclr=max_iclr)
     cotangent = np.random.default_rng(10).normal(size=args[2].shape)
     fn, key = {"recurrent": (dplr_recurrent, "checkpoint_every"), "chunked": (dplr_chunked, "chunk_size")}[form]
     out, vjp = jax.vjp(functools.partial(fn, **{key: chunk}), *f32(args))

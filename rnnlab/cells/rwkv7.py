@@ -12,6 +12,13 @@ S: [d, d] in the row convention of `rnnlab.cells.dplr_forms`:
     S_t = (diag(w_t) - (kappa_t * a_t)^T kappa_t) S_{t-1} + k_t^T v_t,      o_t = r_t S_t
     y = ((GroupNorm(o) + (sum_head(r * k * r_k)) v) * g) W_o       GroupNorm per head, eps d * 1e-5, affine
 
+`model.allow_neg_eigval=true` takes a = 2 sigmoid(.) in (0, 2), Grazzi et al.'s switch (ICLR 2025) as DeltaNet's
+and fla's KDA take it (beta doubled): with no decay (w = 1) the transition's eigenvalue along kappa, 1 - a . kappa^2,
+then reaches (-1, 1], the reflection parity needs; without it RWKV-7's least eigenvalue is exp(-exp(-1/2)) - 1 =
+-0.455. The transition is a sum, not the product alpha (I - beta k^T k) of gated DeltaNet, so a strong decay beside
+a = 2 on one channel gives an eigenvalue down to exp(-exp(-1/2)) - 2 = -1.455: the switch does not bound the state.
+a also scales the replacement key (k <- k (1 + (a - 1) k_a)), as beta scales DeltaNet's write: one a, doubled.
+
 The transition is diagonal plus rank one, so there is no cheap associative form: `sequential` runs it one
 step at a time (`dplr_recurrent`), `chunked` is the chunkwise WY form (`dplr_chunked`).
 
@@ -65,6 +72,7 @@ class RWKV7(SequenceCell):
     iclr_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
     # rank of the output gate's LoRA; 0: round(5 sqrt(H))
     gate_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
+    allow_neg_eigval: bool = False  # a in (0, 2), not (0, 1): eigenvalues of the transition below -0.455 (Grazzi et al.)
 
     name = "rwkv7"
     time_scans = ("sequential", "chunked")
@@ -134,6 +142,8 @@ class RWKV7(SequenceCell):
         r, k, v = (lerp[f"x_{c}"] @ p[f"W_{c}"] for c in "rkv")
         log_w = LOG_W_MIN * jax.nn.sigmoid((jnp.tanh(lerp["x_w"] @ p["w_1"]) @ p["w_2"] + p["w_0"]).astype(f32))
         a = jax.nn.sigmoid(((lerp["x_a"] @ p["a_1"]) @ p["a_2"] + p["a_0"]).astype(f32))
+        if self.allow_neg_eigval:
+            a = 2 * a
         g = jax.nn.sigmoid(lerp["x_g"] @ p["g_1"]) @ p["g_2"]
         kk = self.split_heads((k * p["k_k"]).astype(f32))
         # F.normalize's max(|kk|, 1e-12), as sqrt(max(|kk|^2, 1e-24)): finite gradients where kk = 0 (padding)
