@@ -129,7 +129,8 @@ H = HEADS * D
 
 def numpy_layer(p, x, heads=HEADS, allow_neg_eigval=False):
     """RWKV-7's time mixing (the cell's module docstring) in float64: x [T, B, H] -> [T, B, H];
-    `allow_neg_eigval`: the in-context learning rate a doubled, in (0, 2)."""
+    `allow_neg_eigval`: the in-context learning rate a doubled, in (0, 2), and the removal kappa a times w (RWKV-Othello's
+    extended RWKV-7: `RUN_CUDA_RWKV7g(r, w, k, v, -kk, kk * (a * exp(-exp(w))))` with `a = sigmoid(.) * 2.0`)."""
     t_len, batch, h = x.shape
     d = h // heads
     split = lambda y: y.reshape(t_len, batch, heads, d)  # noqa: E731
@@ -141,7 +142,8 @@ def numpy_layer(p, x, heads=HEADS, allow_neg_eigval=False):
     g = sigmoid(xs["g"] @ p["g_1"]) @ p["g_2"]
     kappa = unit(split(k * p["k_k"]))
     k = k * (1 + (a - 1) * p["k_a"])
-    o = numpy_dplr(split(r), split(k), split(v), -kappa, kappa * split(a), split(log_w))
+    removal = kappa * split(a) * (np.exp(split(log_w)) if allow_neg_eigval else 1)
+    o = numpy_dplr(split(r), split(k), split(v), -kappa, removal, split(log_w))
     o = (o - o.mean(-1, keepdims=True)) / np.sqrt(o.var(-1, keepdims=True) + d * 1e-5)
     o = o.reshape(t_len, batch, h) * p["norm"] + p["norm_bias"]
     bonus = np.sum(split(r) * split(k) * p["r_k"], axis=-1, keepdims=True) * split(v)

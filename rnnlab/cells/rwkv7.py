@@ -12,12 +12,12 @@ S: [d, d] in the row convention of `rnnlab.cells.dplr_forms`:
     S_t = (diag(w_t) - (kappa_t * a_t)^T kappa_t) S_{t-1} + k_t^T v_t,      o_t = r_t S_t
     y = ((GroupNorm(o) + (sum_head(r * k * r_k)) v) * g) W_o       GroupNorm per head, eps d * 1e-5, affine
 
-`model.allow_neg_eigval=true` takes a = 2 sigmoid(.) in (0, 2), Grazzi et al.'s switch (ICLR 2025) as DeltaNet's
-and fla's KDA take it (beta doubled): with no decay (w = 1) the transition's eigenvalue along kappa, 1 - a . kappa^2,
-then reaches (-1, 1], the reflection parity needs; without it RWKV-7's least eigenvalue is exp(-exp(-1/2)) - 1 =
--0.455. The transition is a sum, not the product alpha (I - beta k^T k) of gated DeltaNet, so a strong decay beside
-a = 2 on one channel gives an eigenvalue down to exp(-exp(-1/2)) - 2 = -1.455: the switch does not bound the state.
-a also scales the replacement key (k <- k (1 + (a - 1) k_a)), as beta scales DeltaNet's write: one a, doubled.
+`model.allow_neg_eigval=true` is the extended RWKV-7 of RWKV-Othello (its README's two-line change to RWKV-LM,
+provided by BlinkDL), Grazzi et al.'s switch (ICLR 2025) for this transition: a = 2 sigmoid(.) in (0, 2), and the
+removal scaled by the decay, so that the transition is the product diag(w) (I - (kappa * a)^T kappa), gated
+DeltaNet's and KDA's shape, with eigenvalues in [-1, 1] (checked numerically over random w, a, kappa): the
+reflection parity needs. Without the switch its least eigenvalue is exp(-exp(-1/2)) - 1 = -0.455. The doubled a also
+scales the replacement key (k <- k (1 + (a - 1) k_a)), as there.
 
 The transition is diagonal plus rank one, so there is no cheap associative form: `sequential` runs it one
 step at a time (`dplr_recurrent`), `chunked` is the chunkwise WY form (`dplr_chunked`).
@@ -72,7 +72,7 @@ class RWKV7(SequenceCell):
     iclr_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
     # rank of the output gate's LoRA; 0: round(5 sqrt(H))
     gate_rank: int = allowed(0, low=0, note="0 = from hidden_dim")
-    allow_neg_eigval: bool = False  # a in (0, 2), not (0, 1): eigenvalues of the transition below -0.455 (Grazzi et al.)
+    allow_neg_eigval: bool = False  # a in (0, 2) and the removal times w: eigenvalues in (-1, 1] (Grazzi et al.)
 
     name = "rwkv7"
     time_scans = ("sequential", "chunked")
@@ -150,10 +150,11 @@ class RWKV7(SequenceCell):
         kk = kk * jax.lax.rsqrt(jnp.maximum(jnp.sum(kk * kk, axis=-1, keepdims=True), 1e-24))
         k = (k * (1 + (a - 1) * p["k_a"])).astype(x.dtype)
         r, k, v, a, log_w = (self.split_heads(y) for y in (r, k, v, a, log_w))
+        removal = kk * a * jnp.exp(log_w) if self.allow_neg_eigval else kk * a  # diag(w) (I - (kk a)^T kk)
         if time_scan == "chunked":
-            o = dplr_chunked(r, k, v, -kk, kk * a, log_w, min(self.chunk_size, x.shape[0]))
+            o = dplr_chunked(r, k, v, -kk, removal, log_w, min(self.chunk_size, x.shape[0]))
         else:
-            o = dplr_recurrent(r, k, v, -kk, kk * a, log_w, self.chunk_size)
+            o = dplr_recurrent(r, k, v, -kk, removal, log_w, self.chunk_size)
         o32 = o.astype(f32)
         mean = jnp.mean(o32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(o32 - mean), axis=-1, keepdims=True)
