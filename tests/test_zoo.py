@@ -104,7 +104,7 @@ def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
     switch, householder = st_commands()
     homes = {train.sweep_home(["-m", *args], datetime.datetime.now()) for args in (switch, householder)}
     assert len(homes) == 2 and all(home.startswith(f"multirun/{ST}/") for home in homes)
-    switched = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct")
+    switched = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
     expected = {"switch": {(cell, None, "true") for cell in switched},
                 "householder": {("deltaproduct", n, neg) for n in ("1", "3") for neg in ("false", "true")}}
     for name, args in (("switch", switch), ("householder", householder)):
