@@ -15,7 +15,7 @@ S: [d, d] in the row convention of `rnnlab.cells.dplr_forms`:
 `model.allow_neg_eigval=true` is the extended RWKV-7 of RWKV-Othello (its README's two-line change to RWKV-LM,
 provided by BlinkDL), Grazzi et al.'s switch (ICLR 2025) for this transition: a = 2 sigmoid(.) in (0, 2), and the
 removal scaled by the decay, so that the transition is the product diag(w) (I - (kappa * a)^T kappa), gated
-DeltaNet's and KDA's shape, with eigenvalues in [-1, 1] (checked numerically over random w, a, kappa): the
+DeltaNet's and KDA's shape, with eigenvalues in (-1, 1] (checked numerically over random w, a, kappa): the
 reflection parity needs. Without the switch its least eigenvalue is exp(-exp(-1/2)) - 1 = -0.455. The doubled a also
 scales the replacement key (k <- k (1 + (a - 1) k_a)), as there.
 
