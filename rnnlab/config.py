@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional
 
 from rnnlab import cells, tasks
 from rnnlab.blocks import MLPS
-from rnnlab.options import allowed, declared_problem
+from rnnlab.options import allowed, declaration, declared_problem
 
 DTYPES = ("float32", "bfloat16")
 STACK_INITS = ("vmap", "scan")
@@ -38,6 +38,12 @@ MAX_MLP_EXPAND = 64  # wider than any published block (GPT-2's and Zoology's are
 POSITIVE = {"low": 0, "low_open": True}  # the declaration of a count or size: must be > 0
 NON_NEGATIVE = {"low": 0}  # must be >= 0
 FRACTION = {"low": 0.0, "high": 1.0, "high_open": True}  # must be in [0, 1)
+
+
+# `model.pattern_keys`: for each pattern cell other than model.cell, the (key, value) pairs its layers run with.
+PatternKeys = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+# The keys a pattern cell's layers take beyond its class's own options (as model.cell's under `model:`).
+LAYER_KEYS = ("init", "activation", "forget_bias", "recurrence", "time_scan")
 
 
 class ConfigError(ValueError):
@@ -72,11 +78,17 @@ class ModelConfig:
     # Hybrid stacks: the cells of the layers, a list repeated to num_layers (its length divides num_layers,
     # or equals it: one cell per layer); empty: every layer is `cell`, today's model. `cell` must be one of
     # them: its layers run with the keys above (init, activation, forget_bias, recurrence, time_scan, and its
-    # options below); a layer of another cell with that cell's class defaults (`Cell.default_init`,
-    # `default_recurrence`, `default_form()`, its dataclass's options). Model-wide, as in Jamba, Samba,
-    # Griffin and fla's hybrids (one block and MLP after every mixer): hidden_dim, block, mlp, mlp_expand,
-    # mlp_bias, dtype, unroll, dropout, remat, scan_layers, stack_init (`layer_cells`, rnnlab.models.LayerStack).
+    # options below); a layer of another cell with the keys `pattern_keys` gives it, else that cell's class
+    # defaults (`Cell.default_init`, `default_recurrence`, `default_form()`, its dataclass's options).
+    # Model-wide, as in Jamba, Samba, Griffin and fla's hybrids (one block and MLP after every mixer):
+    # hidden_dim, block, mlp, mlp_expand, mlp_bias, dtype, unroll, dropout, remat, scan_layers, stack_init
+    # (`layer_cells`, rnnlab.models.LayerStack).
     pattern: tuple[str, ...] = ()
+    # Hybrid stacks: the keys of the layers of the pattern's other cells, by cell (`+model.pattern_keys.
+    # attention.window=16`, as fla's `attn` config gives its attention layers theirs): any of LAYER_KEYS and the
+    # cell's own options; a key left out takes the cell class's default. Stored as ((cell, ((key, value), ...)),
+    # ...), sorted.
+    pattern_keys: PatternKeys = ()
     # The chosen cell's own keys (its dataclass fields beyond `Cell`'s, e.g. lru's r_min), as (name, value)
     # pairs: they sit beside the others under `model:` and are filled from the cell's defaults.
     options: tuple[tuple[str, Any], ...] = ()
@@ -94,9 +106,14 @@ class ModelConfig:
         names = self.pattern or (self.cell,)
         period = next(p for p in range(1, len(names) + 1)
                       if len(names) % p == 0 and names == names[:p] * (len(names) // p))
-        own = LayerCell(self.cell, self.init, self.activation, self.forget_bias, self.recurrence, self.time_scan,
-                        self.options)
-        return tuple(own if name == self.cell else LayerCell.defaults(name) for name in names[:period])
+        keys = dict(self.pattern_keys)
+        return tuple(self.own_layer_cell() if name == self.cell else LayerCell.defaults(name).with_keys(keys.get(name, ()))
+                     for name in names[:period])
+
+    def own_layer_cell(self) -> LayerCell:
+        """`cell` with the keys above: what its layers run with."""
+        return LayerCell(self.cell, self.init, self.activation, self.forget_bias, self.recurrence, self.time_scan,
+                         self.options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +135,11 @@ class LayerCell:
         base = cells.Cell(1)
         return cls(name, kind.default_init, base.activation, base.forget_bias, kind.default_recurrence,
                    kind.default_form())
+
+    def with_keys(self, keys: tuple[tuple[str, Any], ...]) -> LayerCell:
+        """This cell with `keys` (`model.pattern_keys.<cell>`) in place of its defaults."""
+        common = {name: value for name, value in keys if name in LAYER_KEYS}
+        return dataclasses.replace(self, **common, options=tuple((n, v) for n, v in keys if n not in LAYER_KEYS))
 
     def make(self, hidden_dim: int) -> cells.Cell:
         return cells.get_cell(self.cell)(hidden_dim, self.init, self.activation, self.forget_bias,
@@ -278,6 +300,7 @@ def to_dict(config: Config) -> dict[str, Any]:
     """The nested dict `from_dict` reads back: a group's `options` sit beside its other keys."""
     values = dataclasses.asdict(config)
     values["model"].update(dict(values["model"].pop("options")))
+    values["model"]["pattern_keys"] = {cell: dict(keys) for cell, keys in config.model.pattern_keys}
     values["data"].update(dict(values["data"].pop("options")))
     return values
 
@@ -355,6 +378,8 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, values[name], prefix=key + ".")
+        elif tp == PatternKeys:
+            kwargs[name] = _pattern_keys(values[name], key)
         else:
             kwargs[name] = _coerce(values[name], tp, key)
     return cls(**kwargs)
@@ -368,10 +393,35 @@ def _option_fields(cls: type, values: Mapping[str, Any]) -> dict[str, tuple[Any,
         return tasks.option_fields(tasks.get_task(values["task"]))
     if cls is not ModelConfig or not isinstance(values.get("cell"), str) or values["cell"] not in cells.CELLS:
         return {}
-    cell = cells.get_cell(values["cell"])
+    return _cell_option_fields(values["cell"])
+
+
+def _cell_option_fields(name: str) -> dict[str, tuple[Any, Any]]:
+    """The registered cell's dataclass fields beyond `Cell`'s -> {name: (type, default)}."""
+    cell = cells.get_cell(name)
     base = {f.name for f in dataclasses.fields(cells.Cell)}
     hints = typing.get_type_hints(cell)
     return {f.name: (hints[f.name], f.default) for f in dataclasses.fields(cell) if f.name not in base}
+
+
+def _pattern_keys(value: Any, key: str) -> PatternKeys:
+    """`model.pattern_keys` ({cell: {key: value}}) -> sorted pairs, each key known to its cell and of its type."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"key '{key}': got {value!r}, expected keys by cell, e.g. {{attention: {{window: 16}}}}")
+    hints = typing.get_type_hints(ModelConfig)
+    pairs = []
+    for name, keys in sorted(value.items()):
+        check_choice(key, name, cells.cell_names())
+        where = f"{key}.{name}"
+        types_ = {**{k: hints[k] for k in LAYER_KEYS},
+                  **{k: tp for k, (tp, _) in _cell_option_fields(name).items()}}
+        if not isinstance(keys, Mapping):
+            raise ConfigError(f"key '{where}': got {keys!r}, expected a group of keys ({', '.join(types_)})")
+        unknown = sorted(set(keys) - set(types_))
+        if unknown:
+            raise ConfigError(f"unknown key '{where}.{unknown[0]}' (allowed in {where}: {', '.join(types_)})")
+        pairs.append((name, tuple((k, _coerce(v, types_[k], f"{where}.{k}")) for k, v in sorted(keys.items()))))
+    return tuple(pairs)
 
 
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -419,36 +469,52 @@ def _validate_model(c: Config) -> None:
         if getattr(m, key) != getattr(c, key):
             raise ConfigError(f"key 'model.{key}': got {getattr(m, key)}, but the top-level {key} is {getattr(c, key)}; "
                               f"set the top-level key instead ({key}={getattr(m, key)})")
-    if m.recurrence == "custom_vjp" and not m.make_cell().has_backward:
-        raise ConfigError(f"key 'model.recurrence': got 'custom_vjp', but cell {m.cell!r} has no hand-written "
-                          f"backward; allowed: autodiff")
-    if m.recurrence in ("onednn", "auto") and m.make_cell().onednn_kernel is None:
-        with_kernel = [name for name in cells.cell_names() if cells.get_cell(name).onednn_kernel]
-        raise ConfigError(f"key 'model.recurrence': got {m.recurrence!r}, but cell {m.cell!r} has no oneDNN kernel; "
-                          f"allowed: autodiff, custom_vjp (onednn and auto: {', '.join(with_kernel)})")
-    if m.recurrence == "onednn" and m.dtype != "float32":
-        raise ConfigError(f"key 'model.dtype': got {m.dtype!r}, but model.recurrence=onednn runs float32 only; "
-                          f"allowed: float32, or model.recurrence=auto or custom_vjp")
-    if m.recurrence in ("custom_vjp", "onednn", "auto") and m.remat:
-        raise ConfigError("key 'model.remat': got true, which needs model.recurrence=autodiff "
-                          f"(model.recurrence={m.recurrence} keeps its own residuals; allowed: model.recurrence=autodiff, or model.remat=false)")
-    cell = m.make_cell()
-    if m.time_scan not in cell.time_scans:
-        raise ConfigError(f"key 'model.time_scan': got {m.time_scan!r}, allowed for cell {m.cell!r}: "
-                          f"{', '.join(cell.time_scans)}")
-    if m.remat and isinstance(cell, cells.SequenceCell):
-        raise ConfigError(f"key 'model.remat': got true, but cell {m.cell!r} mixes the whole sequence at once: "
-                          f"it has no per-step cell to recompute; allowed: false")
-    problem = cell.option_problem()
+    problem = _layer_problem(m.own_layer_cell(), m, "model.")
     if problem:
         raise ConfigError(problem)
     _validate_pattern(m)
 
 
+def _layer_problem(spec: LayerCell, m: ModelConfig, prefix: str) -> Optional[str]:
+    """The first problem of one cell's layers, each named by the key that sets it: `prefix` "model." for
+    model.cell's, "model.pattern_keys.<cell>." for another pattern cell's (its keys, else its class's defaults)."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    for name in LAYER_KEYS:
+        rule = declaration(fields[name])
+        problem = rule and rule.problem(prefix + name, getattr(spec, name))
+        if problem:
+            return problem
+    cell, r = spec.make(m.hidden_dim), spec.recurrence
+    if r == "custom_vjp" and not cell.has_backward:
+        return (f"key '{prefix}recurrence': got 'custom_vjp', but cell {spec.cell!r} has no hand-written "
+                f"backward; allowed: autodiff")
+    if r in ("onednn", "auto") and cell.onednn_kernel is None:
+        with_kernel = [name for name in cells.cell_names() if cells.get_cell(name).onednn_kernel]
+        return (f"key '{prefix}recurrence': got {r!r}, but cell {spec.cell!r} has no oneDNN kernel; "
+                f"allowed: autodiff, custom_vjp (onednn and auto: {', '.join(with_kernel)})")
+    if r == "onednn" and m.dtype != "float32":
+        return (f"key 'model.dtype': got {m.dtype!r}, but {prefix}recurrence=onednn runs float32 only; "
+                f"allowed: float32, or {prefix}recurrence=auto or custom_vjp")
+    if r in ("custom_vjp", "onednn", "auto") and m.remat:
+        return (f"key 'model.remat': got true, which needs {prefix}recurrence=autodiff ({prefix}recurrence={r} "
+                f"keeps its own residuals; allowed: {prefix}recurrence=autodiff, or model.remat=false)")
+    if spec.time_scan not in cell.time_scans:
+        return (f"key '{prefix}time_scan': got {spec.time_scan!r}, allowed for cell {spec.cell!r}: "
+                f"{', '.join(cell.time_scans)}")
+    if m.remat and isinstance(cell, cells.SequenceCell):
+        return (f"key 'model.remat': got true, but cell {spec.cell!r} mixes the whole sequence at once: "
+                f"it has no per-step cell to recompute; allowed: false")
+    problem = cell.option_problem()  # names its keys 'model.<key>', as they sit for model.cell
+    return problem and problem.replace("'model.", f"'{prefix}")
+
+
 def _validate_pattern(m: ModelConfig) -> None:
     """`model.pattern`: registered cells, a length that divides num_layers, `model.cell` among them, and
-    each other cell's layers runnable with its defaults and the model-wide keys."""
+    each other cell's layers runnable with its keys (`model.pattern_keys`) and the model-wide ones."""
     if not m.pattern:
+        if m.pattern_keys:
+            raise ConfigError(f"key 'model.pattern_keys': got keys for {', '.join(n for n, _ in m.pattern_keys)}, "
+                              f"but model.pattern is empty; allowed: {{}} (or set model.pattern)")
         return
     for name in m.pattern:
         check_choice("model.pattern", name, cells.cell_names())
@@ -460,16 +526,17 @@ def _validate_pattern(m: ModelConfig) -> None:
     if m.cell not in m.pattern:
         raise ConfigError(f"key 'model.pattern': got {shown}, without model.cell={m.cell!r} (the cell whose keys the "
                           f"model config holds); add it, or choose model=<one of the pattern's cells>")
+    for name, _ in m.pattern_keys:
+        where = f"key 'model.pattern_keys.{name}'"
+        others = ", ".join(sorted(set(m.pattern) - {m.cell})) or "none"
+        if name == m.cell:
+            raise ConfigError(f"{where}: {name} is model.cell, whose keys sit under model: (model.<key>); "
+                              f"allowed: the pattern's other cells ({others})")
+        if name not in m.pattern:
+            raise ConfigError(f"{where}: {name} is not in model.pattern={shown}; allowed: the pattern's other cells "
+                              f"({others})")
     for spec in m.layer_cells():
-        if spec.cell == m.cell:
-            continue
-        cell = spec.make(m.hidden_dim)
-        problem = cell.option_problem()
-        if problem:
-            raise ConfigError(f"key 'model.pattern': cell {spec.cell!r} runs with its defaults, which do not fit: "
-                              f"{problem.removeprefix('key ')}")
-        if m.remat and (isinstance(cell, cells.SequenceCell) or spec.recurrence != "autodiff"):
-            raise ConfigError(f"key 'model.remat': got true, but pattern cell {spec.cell!r} "
-                              + ("mixes the whole sequence at once" if isinstance(cell, cells.SequenceCell) else
-                                 f"runs its default recurrence {spec.recurrence} (remat needs autodiff)")
-                              + "; allowed: false")
+        if spec.cell != m.cell:
+            problem = _layer_problem(spec, m, f"model.pattern_keys.{spec.cell}.")
+            if problem:
+                raise ConfigError(problem)

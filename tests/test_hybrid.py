@@ -1,7 +1,8 @@
 """Hybrid stacks (`model.pattern`): a one-cell pattern is today's model bit for bit; a hybrid's layers run
-each their own cell with its own defaults, in the documented parameter layout; it trains, saves and
-resumes; bad patterns exit 2 with one line."""
+each their own cell with its own defaults or its `model.pattern_keys`, in the documented parameter layout;
+it trains, saves and resumes; bad patterns exit 2 with one line."""
 
+import dataclasses
 import shutil
 import sys
 
@@ -82,6 +83,32 @@ def test_hybrid_layers_run_their_own_cells_with_their_own_defaults():
                                                                          ("gru", "orthogonal", "custom_vjp")]
 
 
+def test_pattern_keys_set_their_cells_layers_as_model_cell_would():
+    """[gated_deltanet, attention] with +model.pattern_keys.attention.window=2 is, parameter for parameter and output
+    for output, the same stack with attention as model.cell and model.window=2; and the window is not ignored."""
+    x = jax.random.normal(jax.random.key(1), (2, 6, 2))
+    common = ["model.pattern=[gated_deltanet,attention]", "num_layers=2", "model.block=residual", "model.mlp=none",
+              "model.dtype=float32", *SMALL]
+    keys = compose_config(["model=gated_deltanet", *common, "+model.pattern_keys.attention.window=2",
+                           "+model.pattern_keys.attention.block_size=4"])
+    cell = compose_config(["model=attention", *common, "model.window=2", "model.block_size=4"])
+    run = lambda m: [(dataclasses.replace(s, options=()), s.make(m.hidden_dim)) for s in m.layer_cells()]  # noqa: E731
+    assert run(keys.model) == run(cell.model)
+    assert dict(keys.model.layer_cells()[1].options) == {"block_size": 4, "window": 2}
+    want_params, want = init_and_apply(cell, x)
+    params, got = init_and_apply(keys, x)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, want_params)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    _, full = init_and_apply(compose_config(["model=gated_deltanet", *common]), x)
+    assert not np.allclose(np.asarray(full), np.asarray(got))
+    # a pattern cell's common keys too: the time form, its recurrence
+    m = compose_config(["model=attention", *common, "+model.pattern_keys.gated_deltanet.time_scan=sequential"]).model
+    assert m.layer_cells()[0].time_scan == "sequential" and m.layer_cells()[1].time_scan == "blockwise"
+    m = compose_config(["model=rnn", "model.pattern=[rnn,lstm]", "num_layers=2",
+                        "+model.pattern_keys.lstm.recurrence=autodiff", "+model.pattern_keys.lstm.forget_bias=0.0"]).model
+    assert (m.layer_cells()[1].recurrence, m.layer_cells()[1].forget_bias) == ("autodiff", 0.0)
+
+
 @pytest.mark.parametrize("overrides", [HYBRID, ["model=rnn", "model.pattern=[rnn,lstm,gru]", "num_layers=6"]],
                          ids=["gated_deltanet+attention", "rnn+lstm+gru"])
 def test_hybrid_scanned_groups_equal_the_python_loop(overrides):
@@ -116,8 +143,18 @@ def test_hybrid_stack_init_vmap_gives_the_scan_layout():
     (["model=rnn", "model.pattern=[rnn,gru]", "num_layers=2", "model.recurrence=autodiff", "model.remat=true"],
      "key 'model.remat'"),
     (["model=rnn", "model.pattern=[rnn,attention]", "num_layers=2", "hidden_dim=6"],
-     "key 'model.pattern': cell 'attention'"),
+     "key 'model.pattern_keys.attention.num_heads': got 4, must be >= 1 and divide hidden_dim=6"),
     (["model.pattern=[1,2]"], "key 'model.pattern'"),
+    ([*HYBRID, "+model.pattern_keys.attention.window=-1"], "key 'model.pattern_keys.attention.window': got -1"),
+    ([*HYBRID, "+model.pattern_keys.attention.wndow=4"], "unknown key 'model.pattern_keys.attention.wndow' (allowed"),
+    ([*HYBRID, "+model.pattern_keys.attention.time_scan=chunked"], "allowed for cell 'attention': parallel, blockwise"),
+    ([*HYBRID, "+model.pattern_keys.attention.init=foo"], "key 'model.pattern_keys.attention.init': got 'foo'"),
+    ([*HYBRID, "+model.pattern_keys.gated_deltanet.time_scan=sequential"], "gated_deltanet is model.cell"),
+    ([*HYBRID, "+model.pattern_keys.lstm.forget_bias=0"], "lstm is not in model.pattern"),
+    ([*HYBRID, "+model.pattern_keys.foo.window=4"], "key 'model.pattern_keys': got 'foo', allowed: "),
+    (["+model.pattern_keys.attention.window=4"], "model.pattern is empty"),
+    (["model=rnn", "model.pattern=[rnn,gru]", "num_layers=2", "+model.pattern_keys.gru.recurrence=onednn"],
+     "key 'model.pattern_keys.gru.recurrence': got 'onednn', but cell 'gru' has no oneDNN kernel"),
 ])
 def test_bad_patterns_exit_2_with_one_line_naming_the_key(overrides, needle):
     code, line = train.config_exit(overrides)
@@ -129,6 +166,9 @@ def test_a_resume_that_changes_the_pattern_is_refused_and_old_records_resume():
     assert rundir.resume_changes(old, {**old, "model.pattern": []}, ()) == {}
     with pytest.raises(ConfigError, match="key 'model.pattern'"):
         rundir.resume_changes({**old, "model.pattern": []}, {**old, "model.pattern": ["rnn", "gru"]}, ["model.pattern"])
+    hybrid = {**old, "model.pattern": ["rnn", "attention"]}  # a pattern cell's key: refused unless allowed
+    with pytest.raises(ConfigError, match="model.pattern_keys.attention.window None -> 4"):
+        rundir.resume_changes(hybrid, {**hybrid, "model.pattern_keys.attention.window": 4}, ())
 
 
 @pytest.mark.slow  # train_and_evaluate end to end; the fast tier keeps the stack's own equivalences
