@@ -297,7 +297,8 @@ def replace(config: Config, **overrides: Any) -> Config:
 
 
 def to_dict(config: Config) -> dict[str, Any]:
-    """The nested dict `from_dict` reads back: a group's `options` sit beside its other keys."""
+    """The nested dict `from_dict` reads back: a group's `options` sit beside its other keys, and
+    `model.pattern_keys` is the {cell: {key: value}} it was given as."""
     values = dataclasses.asdict(config)
     values["model"].update(dict(values["model"].pop("options")))
     values["model"]["pattern_keys"] = {cell: dict(keys) for cell, keys in config.model.pattern_keys}
@@ -451,9 +452,18 @@ def validate(c: Config) -> None:
         )
     known = set(flatten(c))
     for name in c.checkpoint.allow_changes:
-        if name not in known:
+        if name not in known and not _is_pattern_key(name):
             raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
                               f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
+
+
+def _is_pattern_key(name: str) -> bool:
+    """`model.pattern_keys.<cell>.<key>` for a registered cell and a key it takes: a change a resume may accept
+    (one that drops the key too, which `flatten` of the new config no longer lists)."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[:2] != ["model", "pattern_keys"] or parts[2] not in cells.CELLS:
+        return False
+    return parts[3] in LAYER_KEYS or parts[3] in _cell_option_fields(parts[2])
 
 
 def _declared_problem(group: Any, prefix: str) -> Optional[str]:
@@ -537,6 +547,10 @@ def _validate_pattern(m: ModelConfig) -> None:
                               f"({others})")
     for spec in m.layer_cells():
         if spec.cell != m.cell:
-            problem = _layer_problem(spec, m, f"model.pattern_keys.{spec.cell}.")
+            prefix = f"model.pattern_keys.{spec.cell}."
+            problem = _layer_problem(spec, m, prefix)
             if problem:
-                raise ConfigError(problem)
+                given = dict(dict(m.pattern_keys).get(spec.cell, ()))
+                unset = [k for k in (*LAYER_KEYS, *_cell_option_fields(spec.cell)) if f"{prefix}{k}" in problem
+                         and k not in given]
+                raise ConfigError(problem + (f" ({', '.join(unset)}: {spec.cell}'s class default)" if unset else ""))

@@ -388,8 +388,9 @@ def build_model(config: ModelConfig, output_dim: int, platform: str | None = Non
     config = dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform))
     specs = config.layer_cells()
     if len(specs) > 1:  # each cell's own recurrence resolved alike (the LSTM's default is auto)
-        specs = tuple(dataclasses.replace(s, recurrence=_resolve(s.recurrence, config.hidden_dim, platform))
-                      for s in specs)
+        specs = tuple(s if s.cell == config.cell else dataclasses.replace(
+            s, recurrence=_resolve(s.recurrence, config.hidden_dim, platform, f"model.pattern_keys.{s.cell}.recurrence"))
+            for s in specs)
         return RecurrentModel(config, output_dim, input_dim, specs)
     return RecurrentModel(config, output_dim, input_dim)
 
@@ -401,14 +402,14 @@ def resolve_recurrence(config: ModelConfig, platform: str) -> str:
     return _resolve(config.recurrence, config.hidden_dim, platform)
 
 
-def _resolve(recurrence: str, hidden_dim: int, platform: str) -> str:
+def _resolve(recurrence: str, hidden_dim: int, platform: str, key: str = "model.recurrence") -> str:
     if recurrence not in ("onednn", "auto"):
         return recurrence
     if recurrence == "auto" and (platform != "cpu" or not onednn.prefers(onednn.MIN_BATCH, hidden_dim)):
         return "custom_vjp"  # no layer of this width would take the kernel: do not build or load it
     ok, why = onednn.available() if platform == "cpu" else (False, f"oneDNN's kernel runs on CPU, not {platform}")
     if not ok:
-        _notice_once(f"model.recurrence={recurrence}: {why}; running model.recurrence=custom_vjp (XLA) instead")
+        _notice_once(f"{key}={recurrence}: {why}; running {key}=custom_vjp (XLA) instead")
         return "custom_vjp"
     return recurrence
 

@@ -70,7 +70,9 @@ def composed(choices=()):
 @functools.lru_cache(maxsize=None)
 def option_keys(group, option):
     """{key: default} a group's option brings: its yaml's keys, and for a cell or a task the keys its
-    dataclass takes beyond those (set with `+model.<key>=`), so a key added anywhere is fuzzed."""
+    dataclass takes beyond those (set with `+model.<key>=`), so a key added anywhere is fuzzed. (The same
+    cells' keys under `model.pattern_keys.<cell>`, empty by default, are checked by the same declarations:
+    tests/test_hybrid.py.)"""
     import dataclasses
 
     from rnnlab import cells, tasks

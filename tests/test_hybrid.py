@@ -143,7 +143,9 @@ def test_hybrid_stack_init_vmap_gives_the_scan_layout():
     (["model=rnn", "model.pattern=[rnn,gru]", "num_layers=2", "model.recurrence=autodiff", "model.remat=true"],
      "key 'model.remat'"),
     (["model=rnn", "model.pattern=[rnn,attention]", "num_layers=2", "hidden_dim=6"],
-     "key 'model.pattern_keys.attention.num_heads': got 4, must be >= 1 and divide hidden_dim=6"),
+     "key 'model.pattern_keys.attention.num_heads': got 4, must be >= 1 and divide hidden_dim=6 (num_heads: attention's "
+     "class default)"),
+    (["checkpoint.allow_changes=[model.pattern_keys.attention.wndow]"], "key 'checkpoint.allow_changes'"),
     (["model.pattern=[1,2]"], "key 'model.pattern'"),
     ([*HYBRID, "+model.pattern_keys.attention.window=-1"], "key 'model.pattern_keys.attention.window': got -1"),
     ([*HYBRID, "+model.pattern_keys.attention.wndow=4"], "unknown key 'model.pattern_keys.attention.wndow' (allowed"),
@@ -169,6 +171,8 @@ def test_a_resume_that_changes_the_pattern_is_refused_and_old_records_resume():
     hybrid = {**old, "model.pattern": ["rnn", "attention"]}  # a pattern cell's key: refused unless allowed
     with pytest.raises(ConfigError, match="model.pattern_keys.attention.window None -> 4"):
         rundir.resume_changes(hybrid, {**hybrid, "model.pattern_keys.attention.window": 4}, ())
+    # allowed, also where the new config drops the key (absent from its flat view)
+    assert train.config_exit(["checkpoint.allow_changes=[model.pattern_keys.attention.window]"]) == (0, "")
 
 
 @pytest.mark.slow  # train_and_evaluate end to end; the fast tier keeps the stack's own equivalences
