@@ -1,6 +1,8 @@
 """The test command's own settings (pyproject.toml's pytest addopts): a test that takes its worker
 process down once (a segfault) fails the run at once instead of leaving it waiting forever."""
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +33,14 @@ def test_a_worker_crash_fails_the_run_and_does_not_hang(tmp_path):
     # The project's addopts (two workers, loadscope) on these files, outside the project's conftest.
     command = [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path),
                "-p", "no:cacheprovider", "-p", "no:faulthandler", "-n", "2", str(tmp_path)]
+    # Its own session, so that a hung run's workers go down with it.
+    run = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
     try:
-        run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=90)
+        out, _ = run.communicate(timeout=90)
     except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
         pytest.fail("pytest with the project's options still waits 90 s after a worker crashed")
-    assert run.returncode == 1, run.stdout[-2000:]
-    assert "crashed while running 'test_08.py::test_8'" in run.stdout, run.stdout[-2000:]
+    assert run.returncode == 1, out[-2000:]
+    assert "crashed while running 'test_08.py::test_8'" in out, out[-2000:]
