@@ -179,6 +179,9 @@ class DeviceConfig:
     strategy: str = allowed(choices=STRATEGIES)
     # None: per platform (rnnlab.steps.default_steps_per_dispatch)
     steps_per_dispatch: Optional[int] = allowed(null=True, low=1, high=MAX_STEPS_PER_DISPATCH)
+    # JAX's persistent compilation cache in the user's cache dir (rnnlab.compile_cache): a sweep's jobs that
+    # differ only in lr and seed compile once
+    compile_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,9 +511,9 @@ def _layer_problem(spec: LayerCell, m: ModelConfig, prefix: str) -> Optional[str
     if r in ("custom_vjp", "onednn", "auto") and m.remat:
         return (f"key 'model.remat': got true, which needs {prefix}recurrence=autodiff ({prefix}recurrence={r} "
                 f"keeps its own residuals; allowed: {prefix}recurrence=autodiff, or model.remat=false)")
-    if spec.time_scan not in cell.time_scans:
+    if spec.time_scan not in (*cell.time_scans, "auto"):
         return (f"key '{prefix}time_scan': got {spec.time_scan!r}, allowed for cell {spec.cell!r}: "
-                f"{', '.join(cell.time_scans)}")
+                f"{', '.join(cell.time_scans)}, auto (the fastest form at each length)")
     if m.remat and isinstance(cell, cells.SequenceCell):
         return (f"key 'model.remat': got true, but cell {spec.cell!r} mixes the whole sequence at once: "
                 f"it has no per-step cell to recompute; allowed: false")

@@ -129,7 +129,8 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     layers_per_token = recurrent + model.num_layers * mlp
     rest_inputs = groups * sum(2 * h * cell.input_width for cell in layer_cells) - matmul  # layers 1 .. L-1's x W_xh
     sequences = tokens // seq_len
-    mixing = groups * sum(cell.mixing_flops(seq_len, spec.time_scan) for cell, spec in zip(layer_cells, specs)) * sequences
+    forms = [cell.resolve_time_scan(spec.time_scan, seq_len) for cell, spec in zip(layer_cells, specs)]
+    mixing = groups * sum(cell.mixing_flops(seq_len, form) for cell, form in zip(layer_cells, forms)) * sequences
     readout = 2 * h * output_dim
     if models.folds_first_layer(model, input_dim, tokens // devices if token_inputs else None):
         # x (P W_xh): its input is data, no dX; for token ids a gather, no matmul at all.
@@ -145,8 +146,8 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
     backward = 2 * forward - data_input
     # Remat reruns the scanned step: the cell's step and the input matmul (inside the scan on the autodiff path).
     recompute = recurrent + first_input + rest_inputs if model.remat else 0
-    recompute_mixing = groups * sum(cell.mixing_recompute_flops(seq_len, spec.time_scan)
-                                    for cell, spec in zip(layer_cells, specs)) * sequences
+    recompute_mixing = groups * sum(cell.mixing_recompute_flops(seq_len, form)
+                                    for cell, form in zip(layer_cells, forms)) * sequences
     return StepFlops(forward * tokens + mixing + per_step_forward, backward * tokens + 2 * mixing + per_step_backward,
                      recompute * tokens + recompute_mixing)
 

@@ -190,7 +190,8 @@ class RecurrentLayer(nn.Module):
         # reads x: one that does, `uses_layer_input`, gets x P + c.)
         input_term = embed if ids else linear
         if isinstance(cell, SequenceCell):  # every step's input term at once, then the cell's own form
-            hs = cell.mix(params, input_term(x, w_xh) + b, x, self.time_scan, self.unroll, self.recurrence)
+            time_scan = cell.resolve_time_scan(self.time_scan, x.shape[0])  # x: [T, B, ...]
+            hs = cell.mix(params, input_term(x, w_xh) + b, x, time_scan, self.unroll, self.recurrence)
             return self._dropout(hs), None
         if onednn_layer:
             hs = onednn.KERNELS[cell.onednn_kernel](x, w_xh, b, params)

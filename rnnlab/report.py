@@ -182,6 +182,7 @@ class Reporter:
         self._last_eval: dict[str, float] = {}
         self._last_eval_by_len: dict[int, dict[str, float]] = {}
         self._skipped_updates = 0
+        self._compile_cache: str | None = None  # how the train step was compiled (`compiled`); None: not yet
         self._step = start_step  # the last step dispatched
         flat = cfg.flatten(config) | {"state_floats": setup.state_floats, "model_state_floats": setup.model_state_floats}
         describe_run(self._writer, cfg.to_dict(config), flat, overrides, varied, hparam_metric_tags(
@@ -193,8 +194,11 @@ class Reporter:
     def phase(self, text: str) -> None:
         self._progress.phase(text)
 
-    def compiled(self, seconds: float) -> None:
+    def compiled(self, seconds: float, cache: str = "off") -> None:
+        """The train step compiled in `seconds`; `cache`: "hit" (loaded from the persistent compilation cache),
+        "miss" (compiled and stored), "off"."""
         self._throughput.compiled(seconds)
+        self._compile_cache = cache
 
     def log_start(self, num_params: int) -> None:
         setup, task, devices = self.setup, self.setup.task, self.setup.devices
@@ -320,7 +324,8 @@ class Reporter:
             "steps_per_dispatch": setup.steps_per_dispatch, "platform": setup.devices[0].platform,
             "tokens_per_step": self._throughput.tokens_per_step, "tokens_per_sec": tokens_per_sec,
             "flops_per_step": self._throughput.flops_per_step, "flops_per_sec": flops_per_sec, "mfu": mfu,
-            "compile_seconds": self._throughput.compile_seconds, "skipped_updates": self._skipped_updates,
+            "compile_seconds": self._throughput.compile_seconds, "compile_cache": self._compile_cache,
+            "skipped_updates": self._skipped_updates,
             "wall_seconds": time.perf_counter() - wall_start,
         }
 
@@ -342,10 +347,11 @@ class Reporter:
         metrics = "".join(f" | {k} {v:.4g}" for k, v in results["eval_metrics"].items()
                           if v not in (None, results["eval_loss"]))
         log.info(
-            "%s at step %d | eval loss %.4g (baseline %.4g)%s | %s tokens/s | compile %.1fs | wall %.1fs",
+            "%s at step %d | eval loss %.4g (baseline %.4g)%s | %s tokens/s | compile %.1fs%s | wall %.1fs",
             results["status"], results["step"], results["eval_loss"] or float("nan"), self.setup.task.baseline_loss,
             metrics, f"{results['tokens_per_sec']:,.0f}" if results["tokens_per_sec"] else "n/a",
-            results["compile_seconds"] or 0.0, results["wall_seconds"],
+            results["compile_seconds"] or 0.0, " (cache hit)" if results["compile_cache"] == "hit" else "",
+            results["wall_seconds"],
         )
 
     def close(self) -> None:

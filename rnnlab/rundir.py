@@ -29,12 +29,13 @@ STRUCTURAL_KEYS = (
 # changes the parameter shapes, so it is refused like a structural key, without a list of such options.
 WIDTH_KEYS = ("task.input_dim", "task.output_dim")
 # Keys that cannot change a run's parameters: what is logged, evaluated, saved or traced and
-# when, how many steps share a dispatch (the same steps either way), and how processes meet.
+# when, how many steps share a dispatch (the same steps either way), whether compiled programs are cached, and
+# how processes meet.
 # `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
 DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
 FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "device.num_devices",
-             "device.steps_per_dispatch", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
+             "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 # Keys added after run records existed, with the value a record written before them means: an older
 # run dir resumes as the model it trained.

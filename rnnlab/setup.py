@@ -37,7 +37,6 @@ class Setup:
     task: tasks.Task
     model: nn.Module
     tx: optax.GradientTransformation  # steps.make_optimizer's
-    schedule: optax.Schedule  # the learning rate by step
     params_key: jax.Array  # the initialisation's random key
     devices: tuple[jax.Device, ...]  # the devices it trains on (device.num_devices=null resolved)
     steps_per_dispatch: int  # device.steps_per_dispatch (null resolved)
@@ -100,9 +99,9 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
     recorded = saved.get(rundir.DEVICES_USED_KEY) if saved is not None else None
     if saved is not None:  # the device count is compared once it is chosen (trainer's restore)
         rundir.resume_changes(saved, rundir.run_record(config, task, recorded, None), config.checkpoint.allow_changes)
-    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    tx, _ = make_optimizer(config.optimizer, config.steps)
     platform = devices[0].platform
-    setup = Setup(config=config, workdir=Path(workdir), task=task, tx=tx, schedule=schedule,
+    setup = Setup(config=config, workdir=Path(workdir), task=task, tx=tx,
                   model=build_model(config.model, task.output_dim, platform, task.input_dim),
                   params_key=jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM), devices=tuple(devices),
                   steps_per_dispatch=config.device.steps_per_dispatch or default_steps_per_dispatch(platform),
@@ -153,6 +152,6 @@ def _seconds_per_step(setup: Setup, n: int) -> float:
     per_device = config.batch_size // n
     example = setup.task.example_inputs(per_device)
     state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx))
-    dispatch = make_dispatch(config, setup.task, setup.schedule, dp, per_device, k)
+    dispatch = make_dispatch(config, setup.task, dp, per_device, k)
     memory.check_step_fits(dispatch.compile(state), devices, config)
     return cpu.seconds_per_step(dispatch, state, k, MAX_STEPS_IN_FLIGHT)

@@ -31,35 +31,88 @@ MAX_STEPS_IN_FLIGHT = 16
 assert 2 * cfg.MAX_STEPS_PER_DISPATCH <= MAX_STEPS_IN_FLIGHT
 
 
-def make_optimizer(config: cfg.OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+class Hyperparameters(NamedTuple):
+    """The run's scalars that its compiled programs take as inputs rather than constants, so that the jobs of
+    an lr-and-seed grid compile one program (and share JAX's persistent compilation cache): the optimizer's
+    and its schedule's numbers, and the seed. What they cannot change (the optimizer, the schedule's kind,
+    whether clipping and momentum are on) stays in the config and so in the program."""
+
+    lr: Any
+    warmup_steps: Any  # int32
+    total_steps: Any  # int32: the schedule's length (`steps`)
+    end_lr_ratio: Any
+    clip_norm: Any
+    weight_decay: Any
+    momentum: Any
+    b1: Any
+    b2: Any
+    seed: Any  # uint32: parameters, data streams and dropout
+
+
+def hyperparameters(config: cfg.Config) -> Hyperparameters:
+    """`config`'s `Hyperparameters` as NumPy scalars (host values, to be passed in)."""
+    opt = config.optimizer
+    f32 = np.float32
+    return Hyperparameters(
+        lr=f32(opt.lr), warmup_steps=np.int32(opt.warmup_steps), total_steps=np.int32(config.steps),
+        end_lr_ratio=f32(opt.end_lr_ratio), clip_norm=f32(opt.clip_norm), weight_decay=f32(opt.weight_decay),
+        momentum=f32(opt.momentum), b1=f32(opt.b1), b2=f32(opt.b2), seed=np.uint32(config.seed))
+
+
+def make_optimizer(config: cfg.OptimizerConfig, total_steps: Any,
+                   values: Hyperparameters | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping -> optimizer, with a learning-rate schedule over `total_steps`.
 
     `schedule(s)` is the learning rate of the update that takes the state from step s-1
     to s: linear warm-up reaches `lr` at s = warmup_steps (the first update already
     moves, at lr / warmup_steps), then cosine decay to `end_lr_ratio * lr` at the
     last step, or constant.
+
+    values: the numbers (`Hyperparameters`, traced inside a compiled step, so that one program serves every
+    lr); None: `config`'s own, with `total_steps`. `config` fixes the structure either way.
     """
-    warmup = min(config.warmup_steps, total_steps)
-    if config.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(config.lr, max(total_steps - warmup, 1), alpha=config.end_lr_ratio)
-    else:
-        decay = optax.constant_schedule(config.lr)
-    if warmup:
-        schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup), decay], [warmup])
-    else:
-        schedule = decay
+    if values is None:
+        f32 = np.float32
+        values = Hyperparameters(
+            lr=f32(config.lr), warmup_steps=np.int32(config.warmup_steps), total_steps=np.int32(total_steps),
+            end_lr_ratio=f32(config.end_lr_ratio), clip_norm=f32(config.clip_norm),
+            weight_decay=f32(config.weight_decay), momentum=f32(config.momentum), b1=f32(config.b1),
+            b2=f32(config.b2), seed=np.uint32(0))
+    schedule = functools.partial(learning_rate, values, config.schedule == "cosine")
     # Optax calls the schedule with the number of updates applied so far.
     lr = lambda count: schedule(count + 1)  # noqa: E731
+    b1, b2, decay = values.b1, values.b2, values.weight_decay
     if config.name == "adam":
-        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.adam(lr, config.b1, config.b2))
+        opt = optax.chain(optax.add_decayed_weights(decay), optax.adam(lr, b1, b2))
     elif config.name == "adamw":
-        opt = optax.adamw(lr, config.b1, config.b2, weight_decay=config.weight_decay)
+        opt = optax.adamw(lr, b1, b2, weight_decay=decay)
     elif config.name == "sgd":
-        opt = optax.chain(optax.add_decayed_weights(config.weight_decay), optax.sgd(lr, momentum=config.momentum or None))
+        opt = optax.chain(optax.add_decayed_weights(decay), optax.sgd(lr, momentum=values.momentum if config.momentum else None))
     else:
         raise ValueError(f"unknown optimizer {config.name!r}")
-    clip = optax.clip_by_global_norm(config.clip_norm) if config.clip_norm > 0 else optax.identity()
+    clip = optax.clip_by_global_norm(values.clip_norm) if config.clip_norm > 0 else optax.identity()
     return optax.chain(clip, opt), schedule
+
+
+def learning_rate(values: Hyperparameters, cosine: bool, s: Any) -> jax.Array:
+    """The learning rate of update s (1-based) under `values`: optax's join of `linear_schedule(0, lr, warmup)`
+    and `cosine_decay_schedule(lr, max(total - warmup, 1), end_lr_ratio)` (or a constant), written with the
+    numbers as arrays so that they can be inputs of a compiled program."""
+    s = jnp.asarray(s, jnp.int32)
+    lr = jnp.asarray(values.lr, jnp.float32)
+    warmup = jnp.minimum(jnp.asarray(values.warmup_steps, jnp.int32), jnp.asarray(values.total_steps, jnp.int32))
+    if cosine:
+        decay_steps = jnp.maximum(jnp.asarray(values.total_steps, jnp.int32) - warmup, 1)
+        t = jnp.minimum(s - warmup, decay_steps).astype(jnp.float32)
+        alpha = jnp.asarray(values.end_lr_ratio, jnp.float32)
+        cosine_part = 0.5 * (1 + jnp.cos(jnp.pi * t / decay_steps.astype(jnp.float32)))
+        decayed = lr * ((1 - alpha) * cosine_part + alpha)
+    else:
+        decayed = lr
+    # linear_schedule(0, lr, warmup)(s), as optax writes it: (0 - lr) * (1 - clip(s, 0, warmup) / warmup) + lr
+    fraction = 1 - jnp.clip(s, 0, warmup).astype(jnp.float32) / jnp.maximum(warmup, 1).astype(jnp.float32)
+    warming = (0 - lr) * fraction + lr
+    return jnp.where(s < warmup, warming, decayed)
 
 
 def run_once_options(platform: str) -> dict[str, Any] | None:
@@ -88,19 +141,26 @@ def train_step(
     task: tasks.Task,
     schedule: optax.Schedule,
     skip_nonfinite: bool = False,
-    seed: int = 0,
+    seed: Any = 0,
+    tx: optax.GradientTransformation | None = None,
 ) -> tuple[train_state.TrainState, dict[str, jax.Array]]:
     """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`.
 
     skip_nonfinite: if the loss or gradient norm is NaN/Inf, keep the old parameters and
     optimizer state (the step counter still advances, so the data stream moves on) and
-    report `skipped` = 1.
+    report `skipped` = 1. tx: the optimizer to apply (None: `state.tx`); one built from traced
+    `Hyperparameters` (`make_optimizer`) has the same state structure as `state.tx`.
     """
 
     metrics, grads = loss_and_gradients(state, batch, task, seed)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step + 1)
-    new_state = state.apply_gradients(grads=grads)
+    if tx is None:
+        new_state = state.apply_gradients(grads=grads)
+    else:  # as apply_gradients, with this tx (state.tx, a static field, stays as it is)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        new_state = state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                                  opt_state=opt_state)
     if skip_nonfinite:
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
         keep_old = state.replace(step=new_state.step)
@@ -110,7 +170,7 @@ def train_step(
 
 
 def loss_and_gradients(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task,
-                       seed: int = 0) -> tuple[dict[str, jax.Array], Any]:
+                       seed: Any = 0) -> tuple[dict[str, jax.Array], Any]:
     """({"loss", task metrics}, gradients of the loss in the parameters) of the update from
     `state.step`, averaged over `AXIS`: what `train_step` applies, before clipping."""
     # Dropout masks from (seed, step, device index): a resumed run draws the same ones.
@@ -158,11 +218,17 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
     out_layouts = (parallel.REPLICATED, parallel.SHARDED) if examples else parallel.REPLICATED
     p_eval_step = dp.map(functools.partial(eval_step, task=task, examples=examples),
                          (parallel.REPLICATED, parallel.SHARDED), out_layouts)
-    sample = make_sampler(task, tasks.stream_key(config.seed, tasks.EVAL_STREAM), per_device, dp)
+
+    def sample_of_seed(step, seed):  # the seed an input: one program for every seed
+        first = jax.lax.axis_index(parallel.AXIS) * per_device
+        return tasks.sample_batch(task, tasks.stream_key(seed, tasks.EVAL_STREAM), step, first, per_device)
+
+    sample = dp.map(sample_of_seed, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
+    seed = dp.replicate(np.uint32(config.seed))
     if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
         options = run_once_options(dp.devices[0].platform)
-        sample = sample.lower(dp.host_scalar(0)).compile(compiler_options=options)
-    return Evaluator(p_eval_step, [sample(dp.host_scalar(i)) for i in range(config.eval_batches)], examples)
+        sample = sample.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
+    return Evaluator(p_eval_step, [sample(dp.host_scalar(i), seed) for i in range(config.eval_batches)], examples)
 
 
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:
@@ -178,11 +244,12 @@ def default_steps_per_dispatch(platform: str) -> int:
 
 
 def _train_batches(config: cfg.Config, task: tasks.Task, per_device: int) -> Callable:
-    """`state -> Batch`: this device's share of the batch of the update from `state.step`, drawn on the device."""
-    stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
+    """`(state, seed) -> Batch`: this device's share of the batch of the update from `state.step` in run `seed`'s
+    train stream, drawn on the device."""
 
-    def next_batch(state):
+    def next_batch(state, seed):
         first = jax.lax.axis_index(parallel.AXIS) * per_device
+        stream = tasks.stream_key(seed, tasks.TRAIN_STREAM)
         return tasks.sample_batch(task, stream, state.step, first, per_device, config.data.min_seq_len)
 
     return next_batch
@@ -193,13 +260,15 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
     before clipping, on its own batch; for `log.histograms_every`. Compiles on its first call."""
     next_batch = _train_batches(config, task, per_device)
 
-    def gradients(state):
-        return loss_and_gradients(state, next_batch(state), task, config.seed)[1]
+    def gradients(state, seed):
+        return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
-    return dp.map(gradients, (parallel.REPLICATED,), parallel.REPLICATED)
+    mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
+    seed = dp.replicate(np.uint32(config.seed))
+    return lambda state: mapped(state, seed)
 
 
-def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule, dp: parallel.DataParallel,
+def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
                   per_device: int, max_steps: int = 1) -> Callable:
     """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
     its batch drawn on the devices (lengths drawn per example with data.min_seq_len)
@@ -211,46 +280,49 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
     stacking the metrics one device-to-host copy per dispatch instead of one per metric.
     With max_steps > 1 the steps run in a `fori_loop` whose trip count is an argument, so
     every n shares one compilation and the same loop body: a run resumed mid-way reaches
-    the same numbers.
+    the same numbers. The run's `Hyperparameters` (lr, schedule, seed) are arguments too, so
+    runs that differ only in them compile the same program (a persistent-cache hit).
 
     `dispatch.compile(state)` compiles it ahead of the first call (which then runs that
     executable) and returns XLA's memory analysis of it, so that a step that cannot fit is
     refused before it runs."""
     skip = config.on_nonfinite == "skip"
-    update = functools.partial(train_step, task=task, schedule=schedule, skip_nonfinite=skip, seed=config.seed)
     names = train_metric_names(task, skip)
     next_batch = _train_batches(config, task, per_device)
+    hyper = dp.replicate(hyperparameters(config))
 
-    def one_step(state):
-        state, metrics = update(state, next_batch(state))
+    def one_step(state, values):
+        tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
+        state, metrics = train_step(state, next_batch(state, values.seed), task, schedule, skip, values.seed, tx)
         return state, jnp.stack([metrics[k] for k in names])
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)
     if max_steps == 1:
-        single = dp.map(one_step, (parallel.REPLICATED,), out_layouts, donate_argnums=(0,))
+        single = dp.map(one_step, (parallel.REPLICATED, parallel.REPLICATED), out_layouts, donate_argnums=(0,))
 
         def dispatch_one(state, n: int):
             if n != 1:
                 raise ValueError(f"n={n} steps: this dispatch runs 1")
-            return single(state)  # metrics f32[len(names)]: one row
+            return single(state, hyper)  # metrics f32[len(names)]: one row
 
         def compile_one(state):
             nonlocal single
-            single = single.lower(state).compile()
+            single = single.lower(state, hyper).compile()
             return single.memory_analysis()
 
         dispatch_one.compile = compile_one
         return dispatch_one
 
-    def steps(state, n):
+    def steps(state, n, values):
         def body(i, carry):
             state, rows = carry
-            state, metrics = one_step(state)
+            state, metrics = one_step(state, values)
             return state, rows.at[i].set(metrics)
 
         return jax.lax.fori_loop(0, n, body, (state, jnp.zeros((max_steps, len(names)), jnp.float32)))
 
-    mapped = dp.map(steps, (parallel.REPLICATED, parallel.REPLICATED), out_layouts, donate_argnums=(0,))
+    layouts = (parallel.REPLICATED, parallel.REPLICATED, parallel.REPLICATED)
+    mapped = dp.map(steps, layouts, out_layouts, donate_argnums=(0,))
     counts: dict[int, Any] = {}  # n -> its argument, built once
 
     def dispatch(state, n: int):
@@ -258,11 +330,11 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule
             raise ValueError(f"n={n} steps: this dispatch runs 1 .. {max_steps}")
         if n not in counts:
             counts[n] = dp.host_scalar(n)
-        return mapped(state, counts[n])
+        return mapped(state, counts[n], hyper)
 
     def compile_all(state):
         nonlocal mapped
-        mapped = mapped.lower(state, dp.host_scalar(max_steps)).compile()
+        mapped = mapped.lower(state, dp.host_scalar(max_steps), hyper).compile()
         return mapped.memory_analysis()
 
     dispatch.compile = compile_all
@@ -330,13 +402,13 @@ class StepFunctions:
         return self.dp.to_host((state.params, self.gradient_probe(state)))
 
 
-def make_step_functions(config: cfg.Config, task: tasks.Task, schedule: optax.Schedule,
-                        devices: Sequence[jax.Device], steps_per_dispatch: int, examples: int = 0) -> StepFunctions:
+def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[jax.Device],
+                        steps_per_dispatch: int, examples: int = 0) -> StepFunctions:
     """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now.
     examples: how many eval examples the usual eval also returns the outputs of (`StepFunctions.evaluate`)."""
     per_device = config.batch_size // len(devices)
     dp = parallel.DataParallel(devices, config.device.strategy)
-    dispatch = make_dispatch(config, task, schedule, dp, per_device, steps_per_dispatch)
+    dispatch = make_dispatch(config, task, dp, per_device, steps_per_dispatch)
     # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length.
     evaluators = {task.seq_len: make_evaluator(config, task, per_device, dp, examples)}
     evaluators |= {n: make_evaluator(config, task.with_seq_len(n), per_device, dp)

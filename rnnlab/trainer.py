@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax
 
 from rnnlab import config as cfg
-from rnnlab import memory, parallel
+from rnnlab import compile_cache, memory, parallel
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.loop import Outcome, train_loop
 from rnnlab.models import count_params, summary_table
@@ -48,6 +48,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
     wall_start = time.perf_counter()
     workdir = Path(workdir)
     check_writable(workdir)
+    cache = compile_cache.enable(config.device.compile_cache)
     devices = parallel.start_backend(config)
     with contextlib.ExitStack() as cleanup:
         cleanup.enter_context(RunDirLock(workdir, jax.process_index()))
@@ -56,13 +57,12 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
         try:
             setup = plan(config, workdir, devices, checkpointer)
             state, start_step = _restore_or_init(setup, checkpointer)
-            fns = make_step_functions(config, setup.task, setup.schedule, setup.devices, setup.steps_per_dispatch,
-                                      EXAMPLES)
+            fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
             reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied)
             cleanup.callback(reporter.close)
             num_params = count_params(state.params)
             state = fns.dp.replicate(state)
-            memory.check_step_fits(_compile(fns, reporter, state), setup.devices, config)
+            memory.check_step_fits(_compile(fns, reporter, state, cache), setup.devices, config)
         except Exception as e:
             if memory.is_out_of_memory(e):
                 raise memory.out_of_memory_error(e, config) from None
@@ -94,17 +94,22 @@ def _restore_or_init(setup: Setup, checkpointer: Checkpointer) -> tuple[Any, int
     return state, int(state.step)
 
 
-def _compile(fns: StepFunctions, reporter: Reporter, state: Any) -> Any:
-    """Compile the train dispatch ahead of its first call; returns XLA's memory analysis of it (for
-    `memory.check_step_fits`: it must fit beside the already resident state). With several processes
-    the first call compiles it (an ahead-of-time executable there rejects the processes' global
-    arrays): None."""
+def _compile(fns: StepFunctions, reporter: Reporter, state: Any, cache: compile_cache.CacheUse | None) -> Any:
+    """Compile the train dispatch ahead of its first call (or load it from the persistent cache: the reporter
+    is told which); returns XLA's memory analysis of it (for `memory.check_step_fits`: it must fit beside
+    the already resident state). With several processes the first call compiles it (an ahead-of-time
+    executable there rejects the processes' global arrays): None."""
     if jax.process_count() > 1:
         return None
     reporter.phase("compiling")
     started = time.perf_counter()
+    hits, requests = (cache.hits, cache.requests) if cache else (0, 0)
     stats = fns.dispatch.compile(state)
-    reporter.compiled(time.perf_counter() - started)
+    if cache is None or cache.requests == requests:
+        how = "off"  # off, or JAX did not offer this program to its cache
+    else:
+        how = "hit" if cache.hits > hits else "miss"
+    reporter.compiled(time.perf_counter() - started, how)
     return stats
 
 

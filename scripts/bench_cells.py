@@ -1,7 +1,14 @@
-"""Measure model options that are not about step time, side by side in one process.
+"""Measure the cells' step times at the zoo's shapes, and model options that are not about step time,
+side by side in one process.
 
+    python scripts/bench_cells.py zoo     # ms per train step, x the GRU, MFU: every cell at the three zoo shapes
     python scripts/bench_cells.py init    # init + compile time of the stacked layers, scan vs vmap init
     python scripts/bench_cells.py remat   # XLA's peak temp memory of the compiled gradient, remat on vs off
+
+`zoo` trains each setting as train.py does (`rnnlab.trainer.train_and_evaluate` on the composed preset, one
+device, no checkpoints; the persistent compilation cache on, so a repeat loads its program), and reads the
+steady-state rate from its results.json (compile excluded). First it measures the Elman H=100 row (the
+machine's speed: `python train.py model=rnn hidden_dim=100 batch_size=32 data.seq_len=100`).
 
 Times are medians over `--repeats` rounds; within a round the variants run back to back
 (alternating), so load from other processes hits them alike. Prints Markdown tables.
@@ -18,7 +25,8 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,6 +38,7 @@ from rnnlab.models import build_model  # noqa: E402
 BASE = ModelConfig(
     cell="rnn", hidden_dim=64, num_layers=1, init="orthogonal", activation="tanh", scan_layers=True,
     stack_init="scan", forget_bias=1.0, recurrence="autodiff", remat=False, dtype="float32", unroll=1, dropout=0.0,
+    block="plain", time_scan="sequential",
 )
 
 
@@ -81,9 +90,85 @@ def bench_remat(args) -> None:
             print(f"| {cell} | {seq_len} | {mib[False]:.1f} | {mib[True]:.1f} | {mib[True] / mib[False]:.2f} |", flush=True)
 
 
+# The zoo's shapes: each preset as its sweep runs it (H=64, two layers, batch 64, each cell in its paper's block).
+ZOO_SHAPES = {
+    "state_tracking": ["experiment=zoo_state_tracking", "state_tracking=s3"],  # T=16 (parity's shape too)
+    "mqar": ["experiment=zoo_mqar"],  # T=64, 8 pairs
+    "selective_copy": ["experiment=zoo_selective_copy"],  # T=32 + 8 answers
+}
+# Every cell in its default form, and the state-tracking protocol's switch-on DeltaProduct rows.
+ZOO_SETTINGS = [
+    "gru", "lstm", "rnn", "mingru", "minlstm", "lru", "rglru", "attention", "slstm", "mlstm", "gla", "linear_attention",
+    "deltanet", "gated_deltanet", "mamba", "mamba2", "rwkv7", "deltaproduct",
+    "deltaproduct model.allow_neg_eigval=true", "deltaproduct model.num_householder=3 model.allow_neg_eigval=true",
+]
+ELMAN_ROW = ["model=rnn", "hidden_dim=100", "batch_size=32", "data.seq_len=100"]
+
+
+def train_rate(overrides: list[str], steps: int) -> dict:
+    """results.json of `train.py OVERRIDES` run for `steps` steps in this process (no checkpoint, one device,
+    one log line and eval at the end)."""
+    import contextlib
+    import io
+    import tempfile
+
+    from hydra import compose, initialize_config_dir
+
+    from rnnlab.config import from_omegaconf
+    from rnnlab.trainer import train_and_evaluate
+
+    fixed = [f"steps={steps}", f"log_every={steps}", "eval_every=1000000", "eval_batches=1",
+             "checkpoint.enabled=false", "device.num_devices=1"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        config = from_omegaconf(compose(config_name="config", overrides=[*overrides, *fixed]))
+    with tempfile.TemporaryDirectory(prefix="bench-zoo-") as workdir, contextlib.redirect_stdout(io.StringIO()):
+        results = train_and_evaluate(config, workdir)  # its model summary is not part of the table
+    # Drop this run's compiled programs: dozens of runs in one process otherwise exhaust the memory maps
+    # that XLA's CPU code lives in ("LLVM ERROR: Unable to allocate section memory").
+    jax.clear_caches()
+    return results
+
+
+def bench_zoo(args) -> None:
+    import logging
+    import platform
+
+    logging.getLogger("rnnlab").setLevel(logging.WARNING)
+    shapes = {name: ZOO_SHAPES[name] for name in args.shapes}
+    settings = args.settings or ZOO_SETTINGS
+    if "gru" not in settings:
+        settings = ["gru", *settings]
+    elman, rows = [], {(shape, setting): [] for shape in shapes for setting in settings}
+    for _ in range(args.repeats):  # round-robin: load on the machine hits every setting alike
+        r = train_rate(ELMAN_ROW, args.steps)
+        elman.append(r["tokens_per_sec"])
+        for shape, preset in shapes.items():
+            for setting in settings:
+                r = train_rate([*preset, *[f"model={setting.split()[0]}", *setting.split()[1:]]], args.steps)
+                rows[shape, setting].append((1000 * r["tokens_per_step"] / r["tokens_per_sec"], r["mfu"]))
+                print(f"  {shape} {setting}: {rows[shape, setting][-1][0]:.2f} ms/step", file=sys.stderr, flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
+          f"{os.cpu_count()} cores, jax {jax.__version__}; median of {args.repeats} runs of {args.steps} steps each "
+          f"(compile excluded), one job at a time.\nElman H=100 row (machine speed): "
+          f"{statistics.median(elman):,.0f} tokens/s\n")
+    for shape in shapes:
+        gru = statistics.median(ms for ms, _ in rows[shape, "gru"])
+        print(f"**{shape}** (`{' '.join(shapes[shape])}`)\n\n| setting | ms/step | x GRU | MFU |\n|---|---|---|---|")
+        for setting in settings:
+            ms = statistics.median(m for m, _ in rows[shape, setting])
+            mfu = statistics.median(u for _, u in rows[shape, setting] if u is not None) if any(
+                u is not None for _, u in rows[shape, setting]) else float("nan")
+            print(f"| {setting} | {ms:.1f} | {ms / gru:.1f} | {mfu:.2f} |")
+        print(flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["init", "remat"])
+    parser.add_argument("what", choices=["zoo", "init", "remat"])
+    parser.add_argument("--shapes", nargs="+", choices=list(ZOO_SHAPES), default=list(ZOO_SHAPES))
+    parser.add_argument("--settings", nargs="+", help="zoo: cells, each optionally with overrides "
+                        "('deltaproduct model.num_householder=3'); default: every cell and the switch-on DeltaProducts")
+    parser.add_argument("--steps", type=int, default=300, help="zoo: train steps per run")
     parser.add_argument("--cells", nargs="+", default=["rnn", "lstm", "gru"])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=1)
@@ -91,12 +176,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=100)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1000, 4000])
     parser.add_argument("--layer-counts", type=int, nargs="+", default=[1, 4, 16, 48])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, help="rounds, each variant once a round (default: zoo 3, else 5)")
     parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
+    args.repeats = args.repeats or (3 if args.what == "zoo" else 5)
     cpu.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.2f} at start\n")
-    {"init": bench_init, "remat": bench_remat}[args.what](args)
+    {"zoo": bench_zoo, "init": bench_init, "remat": bench_remat}[args.what](args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
 
 

@@ -188,12 +188,12 @@ class LoopDispatch:
         self.k = steps_per_dispatch or config.device.steps_per_dispatch or steps.default_steps_per_dispatch(platform)
         self.task = tasks.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
-        self.state, schedule = replicated_state(config, self.task, self.devices)
+        self.state, _ = replicated_state(config, self.task, self.devices)
         if compiler_options:
             dp = CompilerOptionsPmap(self.devices, compiler_options)
         else:
             dp = parallel.DataParallel(self.devices, "pmap")
-        self.dispatch = steps.make_dispatch(config, self.task, schedule, dp, config.batch_size // num_devices, self.k)
+        self.dispatch = steps.make_dispatch(config, self.task, dp, config.batch_size // num_devices, self.k)
         self(self.k)  # compile
 
     def __call__(self, n: int) -> None:

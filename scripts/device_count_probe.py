@@ -35,7 +35,7 @@ def probe(overrides: list[str]) -> tuple[float, dict[int, float]]:
         config = from_omegaconf(compose(config_name="config", overrides=["device=cpu", *overrides]))
     task = tasks.make_task(config.data)
     model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
-    tx, schedule = make_optimizer(config.optimizer, config.steps)
+    tx, _ = make_optimizer(config.optimizer, config.steps)
     key = jax.random.fold_in(jax.random.key(config.seed), PARAMS_STREAM)
     k = config.device.steps_per_dispatch or default_steps_per_dispatch("cpu")
     step = flops.train_step_flops(config.model, task.input_dim, task.output_dim, config.batch_size * task.total_len,
@@ -45,7 +45,7 @@ def probe(overrides: list[str]) -> tuple[float, dict[int, float]]:
         dp = parallel.DataParallel(jax.devices()[:n], config.device.strategy)
         per_device = config.batch_size // n
         state = dp.replicate(create_train_state(key, model, task.example_inputs(per_device), tx))
-        dispatch = make_dispatch(config, task, schedule, dp, per_device, k)
+        dispatch = make_dispatch(config, task, dp, per_device, k)
         timings[n] = cpu.seconds_per_step(dispatch, state, k, MAX_STEPS_IN_FLIGHT)
     return step / task.total_len, timings
 

@@ -133,9 +133,9 @@ def test_eval_examples_are_the_models_outputs_on_their_inputs(strategy):
     config = tiny_config("data=copy", "data.seq_len=12", "batch_size=8", f"device.strategy={strategy}")
     task = tasks.make_task(config.data)
     model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
-    tx, schedule = steps.make_optimizer(config.optimizer, config.steps)
+    tx, _ = steps.make_optimizer(config.optimizer, config.steps)
     devices = jax.devices()[:2]
-    fns = steps.make_step_functions(config, task, schedule, devices, 1, examples=3)
+    fns = steps.make_step_functions(config, task, devices, 1, examples=3)
     state = steps.create_train_state(jax.random.key(1), model, task.example_inputs(1), tx)
     _, examples = fns.evaluate(fns.dp.replicate(state))
     inputs, targets, outputs = examples

@@ -74,7 +74,7 @@ def test_hybrid_parameter_tree_has_the_documented_names_and_stacked_shapes():
 
 def test_hybrid_layers_run_their_own_cells_with_their_own_defaults():
     specs = compose_config([*HYBRID, *SMALL]).model.layer_cells()
-    assert [(s.cell, s.time_scan, s.recurrence) for s in specs] == [("gated_deltanet", "chunked", "autodiff"),
+    assert [(s.cell, s.time_scan, s.recurrence) for s in specs] == [("gated_deltanet", "auto", "autodiff"),
                                                                      ("attention", "blockwise", "autodiff")]
     assert dict(specs[0].options)["num_heads"] == 4 and specs[1].options == ()  # attention: its dataclass's
     # model.cell's keys reach its layers only; [a, b, a, b] is [a, b] repeated

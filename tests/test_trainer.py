@@ -17,7 +17,7 @@ from rnnlab.trainer import train_and_evaluate
 
 RESULT_KEYS = {
     "status", "step", "train_loss", "eval_loss", "eval_metric", "baseline_loss", "num_params", "num_devices",
-    "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "wall_seconds", "state_floats",
+    "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "compile_cache", "wall_seconds", "state_floats",
 }
 TB_TAGS = {
     "train/loss", "train/lr", "train/grad_norm", "eval/loss", "eval/mse",

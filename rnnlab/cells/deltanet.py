@@ -41,6 +41,11 @@ class DeltaNet(MatrixCell):
 
     name = "deltanet"
     time_scans = ("sequential", "chunked")
+    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
+    # "Forms by length")
+    default_time_scan = "auto"
+    auto_forms = ((64, "sequential"),)
+    long_form = "chunked"
     gated = False
 
     def extra_width(self):

@@ -104,7 +104,11 @@ class Mamba(SequenceCell):
     name = "mamba"
     time_scans = ("sequential", "associative", "chunked")
     default_recurrence = "custom_vjp"  # conf/model/mamba.yaml's (init: SequenceCell's default)
-    default_time_scan = "chunked"
+    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
+    # "Forms by length")
+    default_time_scan = "auto"
+    auto_forms = ((64, "sequential"),)
+    long_form = "chunked"
     input_bias = False  # the reference's in_proj has no bias
 
     def input_init(self):

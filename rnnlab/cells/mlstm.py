@@ -71,7 +71,11 @@ class MLSTM(SequenceCell):
 
     name = "mlstm"
     time_scans = ("parallel", "chunked", "sequential")  # [T, T] scores | chunkwise | one step at a time
-    default_time_scan = "chunked"  # conf/model/mlstm.yaml's (init, recurrence: SequenceCell's)
+    # model.time_scan=auto: parallel up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
+    # "Forms by length")
+    default_time_scan = "auto"
+    auto_forms = ((64, "parallel"),)
+    long_form = "chunked"
     input_bias = False  # the reference's up-projection has no bias
 
     @property

@@ -131,6 +131,11 @@ class Cell:
     default_init: ClassVar[str] = "uniform"
     default_recurrence: ClassVar[str] = "autodiff"
     default_time_scan: ClassVar[str | None] = None
+    # `model.time_scan=auto`: the form a layer runs at each sequence length, chosen by measuring every form at
+    # the zoo's shapes (docs/benchmarks.md, "Forms by length"): (longest length, form) pairs in increasing length,
+    # the first that covers T; past them `long_form` (the form whose memory grows least with T).
+    auto_forms: ClassVar[tuple[tuple[int, str], ...]] = ()
+    long_form: ClassVar[str | None] = None
 
     @classmethod
     def default_form(cls) -> str:
@@ -139,6 +144,19 @@ class Cell:
         if cls.default_time_scan is not None:
             return cls.default_time_scan
         return next((form for form in DEFAULT_FORMS if form in cls.time_scans), cls.time_scans[0])
+
+    def resolve_time_scan(self, time_scan: str, seq_len: int) -> str:
+        """The form a layer runs for `time_scan` on sequences of `seq_len` steps: `auto` resolved by `auto_forms`
+        (the forms are equal in value, so the choice is only about speed), any other form as it is."""
+        if time_scan != "auto":
+            return time_scan
+        for longest, form in self.auto_forms:
+            if seq_len <= longest:
+                return form
+        if self.long_form is not None:
+            return self.long_form
+        form = self.default_form()
+        return form if form != "auto" else self.time_scans[0]
 
     @property
     def input_width(self) -> int:

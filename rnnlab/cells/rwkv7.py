@@ -76,7 +76,11 @@ class RWKV7(SequenceCell):
 
     name = "rwkv7"
     time_scans = ("sequential", "chunked")
-    default_time_scan = "chunked"  # conf/model/rwkv7.yaml's (init, recurrence: SequenceCell's)
+    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
+    # "Forms by length")
+    default_time_scan = "auto"
+    auto_forms = ((64, "sequential"),)
+    long_form = "chunked"
     uses_layer_input = True
     input_bias = False
 

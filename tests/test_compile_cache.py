@@ -1,0 +1,70 @@
+"""The persistent compilation cache: the jobs of an lr-and-seed grid compile the train step once, and a cache
+that a process died reading is moved aside before the next run compiles through it."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from conftest import TINY, run_train
+from rnnlab import compile_cache
+
+
+def _results(workdir):
+    return json.loads((workdir / "results.json").read_text())
+
+
+def test_two_runs_of_one_cell_with_other_lr_and_seed_compile_the_train_step_once(tmp_path):
+    cache = tmp_path / "cache"
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    runs = {"first": ["optimizer.lr=1e-3", "seed=0"], "second": ["optimizer.lr=3e-3", "seed=1"]}
+    for name, args in runs.items():
+        proc = run_train([*TINY, "model=gru", *args, f"hydra.run.dir={tmp_path / name}"], tmp_path, env)
+        assert proc.returncode == 0, proc.stderr
+    first, second = _results(tmp_path / "first"), _results(tmp_path / "second")
+    assert first["compile_cache"] == "miss" and second["compile_cache"] == "hit"
+    # Both trained, each with its own lr and data: the lr is an input of the one program, not its constant.
+    assert first["train_loss"] != second["train_loss"]
+    assert "(cache hit)" in (tmp_path / "second" / "train.log").read_text()
+
+
+def test_a_run_with_the_cache_off_says_so(tmp_path):
+    proc = run_train([*TINY, "device.compile_cache=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert _results(tmp_path / "run")["compile_cache"] == "off"
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_cache_that_a_process_died_compiling_through_is_moved_aside(tmp_path, caplog):
+    cache = tmp_path / "jax-cache"
+    (cache / "entry-cache").parent.mkdir(parents=True)
+    (cache / "entry-cache").write_bytes(b"bad entry")
+    markers = tmp_path / "jax-cache.in-use"
+    markers.mkdir()
+    (markers / f"{socket.gethostname()}-{_dead_pid()}").write_text("0")
+    with caplog.at_level("WARNING"):
+        aside = compile_cache.quarantine_if_crashed(cache)
+    assert aside is not None and (aside / "entry-cache").read_bytes() == b"bad entry"
+    assert not cache.exists() and not any(markers.iterdir())
+    assert "died while compiling" in caplog.text and str(aside) in caplog.text
+
+
+@pytest.mark.parametrize("marker", ["live", "other host"])
+def test_a_cache_in_use_by_a_live_process_or_another_host_stays(tmp_path, marker):
+    import os
+
+    cache = tmp_path / "jax-cache"
+    cache.mkdir()
+    markers = tmp_path / "jax-cache.in-use"
+    markers.mkdir()
+    name = f"{socket.gethostname()}-{os.getpid()}" if marker == "live" else f"elsewhere-{_dead_pid()}"
+    (markers / name).write_text("0")
+    assert compile_cache.quarantine_if_crashed(cache) is None
+    assert cache.exists() and (markers / name).exists()
