@@ -126,6 +126,8 @@ def train_rate(overrides: list[str], steps: int) -> dict:
     # Drop this run's compiled programs: dozens of runs in one process otherwise exhaust the memory maps
     # that XLA's CPU code lives in ("LLVM ERROR: Unable to allocate section memory").
     jax.clear_caches()
+    if results["status"] != "completed":  # SIGTERM or Ctrl-C stops the run (a preemption): stop the bench too
+        sys.exit(f"bench_cells: a run ended {results['status']}: stopped")
     return results
 
 
