@@ -53,26 +53,25 @@ SWEEP_DIR_ENV = "RNNLAB_SWEEP_DIR"  # run_cli -> the launcher and its workers: t
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 
 
+_GROUPS_HELP: dict[tuple, str] = {}  # config_groups_help's text by (search path, width); a dict, not an lru_cache:
+# Hydra's joblib launcher pickles this module's resolvers by value into its workers, where train.py is not __main__
+
+
 def config_groups_help(width: int = 100) -> str:
     """`--help`'s config groups (conf/hydra/help/rnnlab.yaml), each with its options as Hydra finds
     them: Hydra's own $APP_CONFIG_GROUPS puts a group on one line, which the presets outgrow. Hydra
     resolves it at every composition: kept per search path (listing the groups was 40% of a compose)."""
     from hydra.core.global_hydra import GlobalHydra
-
-    loader = GlobalHydra.instance().config_loader()
-    return _config_groups_help(tuple(source.full_path() for source in loader.get_sources()), width)
-
-
-@functools.lru_cache(maxsize=16)
-def _config_groups_help(search_path: tuple[str, ...], width: int) -> str:
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.object_type import ObjectType
 
     loader = GlobalHydra.instance().config_loader()
-    return "\n".join(
-        textwrap.fill(", ".join(sorted(loader.get_group_options(group, ObjectType.CONFIG))), width,
-                      initial_indent=f"  {group + ':':<16}  ", subsequent_indent=" " * 20, break_on_hyphens=False)
-        for group in sorted(loader.list_groups("")) if group != "hydra")
+    key = (tuple(source.full_path() for source in loader.get_sources()), width)
+    if key not in _GROUPS_HELP:
+        _GROUPS_HELP[key] = "\n".join(
+            textwrap.fill(", ".join(sorted(loader.get_group_options(group, ObjectType.CONFIG))), width,
+                          initial_indent=f"  {group + ':':<16}  ", subsequent_indent=" " * 20, break_on_hyphens=False)
+            for group in sorted(loader.list_groups("")) if group != "hydra")
+    return _GROUPS_HELP[key]
 
 
 def swept_keys(args: list[str]) -> list[str]:

@@ -24,6 +24,9 @@ from rnnlab import files
 log = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
+# "0": no markers and no quarantine (the test suite, whose tests SIGKILL train.py at random moments on purpose,
+# compilations included: each such kill would move the suite's shared cache aside).
+GUARD_ENV = "RNNLAB_COMPILE_CACHE_GUARD"
 _REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"  # recorded before the cache is read
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"  # recorded once the program is loaded or compiled
@@ -37,8 +40,8 @@ class CacheUse:
     """Counts of this process's compilations through the cache (`requests`, `hits`) and the marker that
     spans each of them. One per process: `enable` returns it."""
 
-    def __init__(self, directory: Path):
-        self.directory = directory
+    def __init__(self, directory: Path, guard: bool = True):
+        self.directory, self.guard = directory, guard
         self.requests = 0
         self.hits = 0
         self._marker = _markers_dir(directory) / f"{socket.gethostname()}-{os.getpid()}"
@@ -56,6 +59,8 @@ class CacheUse:
             self._unmark()
 
     def _mark(self) -> None:
+        if not self.guard:
+            return
         try:
             self._marker.parent.mkdir(parents=True, exist_ok=True)
             self._marker.write_text(str(time.time()))
@@ -89,7 +94,8 @@ def enable(enabled: bool) -> CacheUse | None:
     if not _given:
         _given.append(jax.config.jax_compilation_cache_dir or os.environ.get(CACHE_DIR_ENV) or None)
     directory = Path(_given[0]) if _given[0] else default_dir()
-    if enabled and quarantine_if_crashed(directory) is not None:
+    guard = os.environ.get(GUARD_ENV, "1") != "0"
+    if enabled and guard and quarantine_if_crashed(directory) is not None:
         _state.clear()  # a new cache in the dir: JAX opens it afresh
     if _state != [(enabled, str(directory))]:  # JAX decides whether to use its cache once, until reset
         jax.config.update("jax_enable_compilation_cache", enabled)
@@ -101,7 +107,7 @@ def enable(enabled: bool) -> CacheUse | None:
     if not enabled:
         return None
     if _use is None:
-        _use = CacheUse(directory)
+        _use = CacheUse(directory, guard)
         jax.monitoring.register_event_listener(_use.on_event)
         jax.monitoring.register_event_duration_secs_listener(_use.on_duration)
     return _use

@@ -219,16 +219,16 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
     p_eval_step = dp.map(functools.partial(eval_step, task=task, examples=examples),
                          (parallel.REPLICATED, parallel.SHARDED), out_layouts)
 
-    def sample_of_seed(step, seed):  # the seed an input: one program for every seed
+    def sample(step, seed):  # the seed an input: one program for every seed
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         return tasks.sample_batch(task, tasks.stream_key(seed, tasks.EVAL_STREAM), step, first, per_device)
 
-    sample = dp.map(sample_of_seed, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
+    sampler = dp.map(sample, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
     seed = dp.replicate(np.uint32(config.seed))
     if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
         options = run_once_options(dp.devices[0].platform)
-        sample = sample.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
-    return Evaluator(p_eval_step, [sample(dp.host_scalar(i), seed) for i in range(config.eval_batches)], examples)
+        sampler = sampler.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
+    return Evaluator(p_eval_step, [sampler(dp.host_scalar(i), seed) for i in range(config.eval_batches)], examples)
 
 
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ class Task:
     metric: str  # the headline metric, chosen on and reported
     train_len: int
     about: str  # what the jobs are, in a sentence
+    grid: tuple[float, ...] = LR_GRID  # the protocol's lr grid on seed 0
 
 
 TASKS = {t.key: t for t in [
@@ -69,7 +70,8 @@ TASKS = {t.key: t for t in [
            "trained at 64, evaluated at 64 and 128; H=64, 2 layers, no MLP, 2,000 steps. "
            f"Knowing the values without their keys scores 1/{n}.") for n in (4, 8, 16)),
     Task("s3", "S3 word problem", "sequence_accuracy", 16, "`experiment=zoo_state_tracking state_tracking=s3`: "
-         "trained at 16, evaluated at 16, 32, 64 and 128; sequence accuracy (every prefix product right)."),
+         "trained at 16, evaluated at 16, 32, 64 and 128; sequence accuracy (every prefix product right); 4,000 "
+         "steps, the protocol fixed in issue 65: the lr grid 1e-3 / 3e-3.", (1e-3, 3e-3)),
     *(Task(f"hybrid_mqar{n}", f"Hybrid stacks: MQAR, {n} pairs", "accuracy", 64, "`experiment=zoo_hybrid "
            f"data.num_pairs={n}`: 4-layer stacks (`hybrid=`), H=64, no MLP, trained at 64, evaluated at 64, 128 "
            "and 256; 2,000 steps.") for n in (4, 8, 16)),
@@ -283,16 +285,16 @@ def same_lr(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9)
 
 
-def outside_protocol(choice: zoo_protocol.Choice, jobs: list[Job]) -> str | None:
-    """Why a setting is outside the protocol (None: inside): its seed-0 grid lacks an lr of LR_GRID, every lr
+def outside_protocol(choice: zoo_protocol.Choice, jobs: list[Job], grid: tuple[float, ...] = LR_GRID) -> str | None:
+    """Why a setting is outside the protocol (None: inside): its seed-0 grid lacks an lr of `grid`, every lr
     failed, or the chosen lr has a single seed."""
     seed0 = [g.lr for g in choice.grid if any(jobs[i].seed == "0" for i in g.jobs)]
     if len(choice.grid) == 1:
         seeds = len(choice.grid[0].jobs)
         return f"one lr, {seeds} seeds" if seeds > 1 else "one lr, one seed"
-    missing = [lr for lr in LR_GRID if not any(same_lr(lr, x) for x in seed0)]
+    missing = [lr for lr in grid if not any(same_lr(lr, x) for x in seed0)]
     if missing:
-        return f"seed 0 at {len(LR_GRID) - len(missing)} of the grid's {len(LR_GRID)} lrs"
+        return f"seed 0 at {len(grid) - len(missing)} of the grid's {len(grid)} lrs"
     if choice.best is None:
         return "every lr failed"
     return "one seed" if len(choice.best.jobs) < 2 else None
@@ -311,7 +313,7 @@ def rows_of(jobs: list[Job], task: Task) -> list[Row]:
         for g in choice.grid:  # job numbers among all the task's jobs -> among the setting's
             g.jobs = [local[i] for i in g.jobs]
         mine = [jobs[i] for i in members]
-        rows.append(Row(mine[0].setting, mine, choice, outside_protocol(choice, mine)))
+        rows.append(Row(mine[0].setting, mine, choice, outside_protocol(choice, mine, task.grid)))
     return rows
 
 
@@ -333,15 +335,15 @@ def joined(values: list[str]) -> str:
 
 
 def grid_cell(row: Row, task: Task) -> str:
-    """Seed 0's training-length value at each lr of LR_GRID (then any other lr), the chosen lr's in bold."""
+    """Seed 0's training-length value at each lr of the task's grid (then any other lr), the chosen lr's in bold."""
     cells = []
     seed0 = {}
     for g in row.choice.grid:
         for i in g.jobs:
             if row.jobs[i].seed == "0":
                 seed0[g.lr] = row.jobs[i]
-    extra = [lr for lr in seed0 if not any(same_lr(lr, x) for x in LR_GRID)]
-    for lr in [*LR_GRID, *extra]:
+    extra = [lr for lr in seed0 if not any(same_lr(lr, x) for x in task.grid)]
+    for lr in [*task.grid, *extra]:
         found = next((j for x, j in seed0.items() if same_lr(lr, x)), None)
         if found is None:
             text = "not run"
@@ -350,7 +352,7 @@ def grid_cell(row: Row, task: Task) -> str:
         else:
             text = fmt(found.by_len[task.train_len])
         chosen = row.choice.best is not None and same_lr(lr, row.choice.lr)
-        cells.append(("" if lr in LR_GRID else f"{lr_text(lr)}: ") + (f"**{text}**" if chosen else text))
+        cells.append(("" if lr in task.grid else f"{lr_text(lr)}: ") + (f"**{text}**" if chosen else text))
     return " / ".join(cells)
 
 
@@ -365,7 +367,7 @@ def table(rows: list[Row], task: Task, outside: bool) -> list[str]:
     """A markdown table of the rows: mean ± sd at each eval length, lr, seeds, the grid, where and when."""
     lengths = sorted({n for r in rows for j in r.chosen for n in j.by_len} | {task.train_len})
     experiments = {dict(r.setting).get("experiment") for r in rows}
-    grid = " / ".join(lr_text(lr) for lr in LR_GRID)
+    grid = " / ".join(lr_text(lr) for lr in task.grid)
     head = ["setting", *(["why outside"] * outside),
             *(f"{task.metric}@{n}" + (" (train)" if n == task.train_len else "") for n in lengths),
             "lr", "seeds", f"seed 0 @{task.train_len}: {grid}", "tokens/s", "machine", "date", "commit", "jobs"]
@@ -454,7 +456,8 @@ def page(jobs: list[Job], docs: Path) -> tuple[str, dict[str, list[Row]]]:
         "# Results: the zoo under its protocol", "",
         "Generated by `python scripts/results.py` from the per-job CSVs `docs/zoo_*.csv`; never edited by hand "
         "(tests/test_results_page.py regenerates it and fails if it differs). Each setting (a cell or stack and the "
-        "overrides that set it apart) ran the lr grid " + " / ".join(lr_text(lr) for lr in LR_GRID) + " on seed 0; "
+        "overrides that set it apart) ran the lr grid " + " / ".join(lr_text(lr) for lr in LR_GRID) + " on seed 0 "
+        "(S3: 1e-3 / 3e-3); "
         "the lr is chosen on the training length's headline metric only, ties to the smaller lr "
         "(scripts/zoo_protocol.py); seeds 1 and 2 ran at that lr. A row is the mean ± sd over the seeds at the "
         "chosen lr at each eval length, with seed 0's training-length value at every lr of the grid beside it (the "

@@ -30,6 +30,9 @@ if os.environ.get("RNNLAB_TEST_COMPILE_CACHE", "1") != "0":
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # Tests SIGKILL train.py at random moments, compiling included: the crash guard would move this shared cache
+    # aside after each such kill (rnnlab.compile_cache; tests/test_compile_cache.py tests the guard itself).
+    os.environ.setdefault("RNNLAB_COMPILE_CACHE_GUARD", "0")
 # rnnlab's caches (measured peak FLOP/s, measured CPU device counts) in a fresh dir for the
 # session, shared with the subprocesses: tests neither read nor write the user's ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")

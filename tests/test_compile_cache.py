@@ -68,3 +68,21 @@ def test_a_cache_in_use_by_a_live_process_or_another_host_stays(tmp_path, marker
     (markers / name).write_text("0")
     assert compile_cache.quarantine_if_crashed(cache) is None
     assert cache.exists() and (markers / name).exists()
+
+
+def test_a_run_moves_a_crashed_cache_aside_and_completes(tmp_path):
+    """End to end, with the guard on (the suite turns it off for its own cache): a marker left by a process that died
+    compiling makes the next run move the cache aside, say where in one line, and train as usual."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "bad-cache").write_bytes(b"not an executable")
+    markers = tmp_path / "cache.in-use"
+    markers.mkdir()
+    (markers / f"{socket.gethostname()}-{_dead_pid()}").write_text("0")
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), compile_cache.GUARD_ENV: "1"}
+    proc = run_train([*TINY, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env)
+    assert proc.returncode == 0, proc.stderr
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("cache.crashed-")]
+    assert len(aside) == 1 and (aside[0] / "bad-cache").exists()
+    assert f"moved it to {aside[0]}" in proc.stderr + proc.stdout
+    assert _results(tmp_path / "run")["status"] == "completed" and not any(markers.iterdir())
