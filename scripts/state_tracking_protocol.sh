@@ -15,11 +15,9 @@ cells=("lstm" "slstm" "mlstm")
 for cell in mamba mamba2 deltanet gated_deltanet deltaproduct "deltaproduct model.num_householder=3" rwkv7; do
   for switch in false true; do cells+=("$cell model.allow_neg_eigval=$switch"); done
 done
-settings=()
-for c in "${cells[@]}"; do
-  set -- $c
-  settings+=(--setting "experiment=zoo_state_tracking state_tracking=s3 model=$1 ${*:2}")
-done
+# settings PREFIX CELL...: one --setting per "cell [overrides]", after the overrides PREFIX
+settings() { local prefix=$1 c; shift; settings=(); for c in "$@"; do set -- $c; settings+=(--setting "$prefix model=$1 ${*:2}"); done; }
+settings "experiment=zoo_state_tracking state_tracking=s3" "${cells[@]}"
 RNNLAB_PIN_CPU=1 python scripts/zoo_queue.py --out "$OUT" --parallel "${PARALLEL:-2}" --seeds 3 --lrs 1e-3 3e-3 \
   --deadline "${DEADLINE:-inf}" "${settings[@]}" -- steps=4000 || exit $?
 # Parity under zoo_parity's own protocol (its 2,000 steps, its 4-lr grid, 3 seeds): the settings its table lacks.
@@ -29,10 +27,6 @@ for switch in false true; do
   parity+=("mamba2 model.allow_neg_eigval=$switch" "deltaproduct model.allow_neg_eigval=$switch"
            "deltaproduct model.num_householder=3 model.allow_neg_eigval=$switch")
 done
-settings=()
-for c in "${parity[@]}"; do
-  set -- $c
-  settings+=(--setting "experiment=zoo_parity model=$1 ${*:2}")
-done
+settings "experiment=zoo_parity" "${parity[@]}"
 RNNLAB_PIN_CPU=1 python scripts/zoo_queue.py --out "$OUT" --parallel "${PARALLEL:-2}" --seeds 3 \
   --deadline "${DEADLINE:-inf}" "${settings[@]}"
