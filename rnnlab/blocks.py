@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from rnnlab.cells.common import shift_in
 from rnnlab.embedding import apply_projection
 
 MLPS = ("none", "gelu", "geglu", "swiglu", "rwkv")
@@ -52,7 +53,8 @@ class ChannelMLP(nn.Module):
     dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, last: jax.Array | None = None) -> jax.Array:
+        """x: [T, B, H] -> [T, B, H]; `last` [B, H]: rwkv's token shift's input before x's first step (None: zeros)."""
         width = mlp_width(self.expand, x.shape[-1])
         dense = functools.partial(nn.Dense, use_bias=self.bias, dtype=self.dtype)
         if self.kind == "gelu":
@@ -60,7 +62,7 @@ class ChannelMLP(nn.Module):
         elif self.kind == "rwkv":
             h = x.shape[-1]
             mu = self.param("mu", lambda key, shape: 1 - jnp.arange(h, dtype=jnp.float32) / h, (h,))
-            delta = jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]]) - x  # x_{t-1} - x_t, x_{-1} = 0
+            delta = shift_in(x, last) - x  # x_{t-1} - x_t, x_{-1} = `last` or 0
             up = dense(width, kernel_init=nn.initializers.orthogonal(), name="up")
             hidden = jnp.square(nn.relu(up(x + delta * mu.astype(x.dtype))))
             return dense(x.shape[-1], kernel_init=nn.initializers.zeros_init(), name="down")(hidden)
@@ -86,16 +88,25 @@ class ResidualBlock(nn.Module):
     mlp_bias: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, state: Any = None, projection: Any = None) -> tuple[jax.Array, Any]:
+        """state: None, or {mixer: the layer's state, mlp: rwkv's token shift's last input [B, H] (rwkv only)}
+        -> (x, the block's state after x, or None)."""
         fields = dict(self.layer_fields)
         dtype = fields.get("dtype", jnp.float32)
         if projection is not None:
             x = apply_projection(x, projection, dtype)
         x = x.astype(dtype)
-        y, _ = self.layer_class(self.hidden_dim, self.cell, **fields, name="recurrence")(
-            nn.RMSNorm(dtype=dtype, name="norm_0")(x))
+        y, mixer = self.layer_class(self.hidden_dim, self.cell, **fields, name="recurrence")(
+            nn.RMSNorm(dtype=dtype, name="norm_0")(x), None if state is None else state["mixer"])
+        after = None if state is None else {"mixer": mixer}
         x = x + y
         if self.mlp == "none":
-            return x, None
+            return x, after
         mlp = ChannelMLP(self.mlp, self.mlp_expand, self.mlp_bias, dtype, name="mlp")
-        return x + mlp(nn.RMSNorm(dtype=dtype, name="norm_1")(x)), None
+        normed = nn.RMSNorm(dtype=dtype, name="norm_1")(x)
+        if self.mlp == "rwkv":
+            out = mlp(normed, None if state is None else state["mlp"])
+            if after is not None:
+                after["mlp"] = normed[-1]
+            return x + out, after
+        return x + mlp(normed), after

@@ -89,6 +89,19 @@ def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.D
                devices=devices, config=config)
 
 
+def check_eval_state_fits(state_bytes: float, length: int, devices: Sequence[jax.Device], config: Config) -> None:
+    """OutOfMemoryError naming `data.eval_seq_lens` unless the model's state for one device's batch at `length`
+    steps, evaluated in segments (`data.eval_segment_len`), fits: a recurrence's does whatever the length,
+    attention's cache of every step seen may not."""
+    free = free_bytes(devices)
+    if free is None or state_bytes <= free / 2:  # the segments' own work needs the rest
+        return
+    raise OutOfMemoryError(
+        f"key 'data.eval_seq_lens': evaluating {length} steps keeps a model state of about {state_bytes / GiB:.3g} GiB "
+        f"per device (attention's cache of every step), but {free / GiB:.3g} GiB of {devices[0].platform} memory is "
+        f"free; allowed: shorter lengths, or attention with a window (model.window)")
+
+
 def layer_outputs_bytes(config: Config, per_device: int, time_steps: int) -> float:
     """Bytes of every layer's output [T, B, H] over one device's batch, in the compute dtype: what any
     backward through the stack keeps at least (each layer's input for its weight gradient, the last's for

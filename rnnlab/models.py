@@ -160,9 +160,12 @@ class RecurrentLayer(nn.Module):
     deterministic: bool = True  # no dropout (evaluation)
 
     @nn.compact
-    def __call__(self, x: jax.Array, unused: Any = None, projection: Any = None) -> tuple[jax.Array, None]:
-        """x: [T, B, I], or with `projection` token ids int32[T, B] -> ([T, B, H] in the compute dtype, None).
+    def __call__(self, x: jax.Array, state: Any = None, projection: Any = None) -> tuple[jax.Array, Any]:
+        """x: [T, B, I], or with `projection` token ids int32[T, B] -> ([T, B, H] in the compute dtype, the
+        state after the last step, or None where no `state` came in).
 
+        state: None (training: from zeros, no state returned), or the cell's state before the first step
+        (`Cell.initial_state`; a segment after another: the state that one returned).
         projection: None, or the input projection's (kernel f32[I, H], bias f32[H]), which
         this layer applies before its own input weights W_xh: f32[H, G*H].
         """
@@ -190,9 +193,23 @@ class RecurrentLayer(nn.Module):
         # reads x: one that does, `uses_layer_input`, gets x P + c.)
         input_term = embed if ids else linear
         if isinstance(cell, SequenceCell):  # every step's input term at once, then the cell's own form
-            time_scan = cell.resolve_time_scan(self.time_scan, x.shape[0])  # x: [T, B, ...]
-            hs = cell.mix(params, input_term(x, w_xh) + b, x, time_scan, self.unroll, self.recurrence)
-            return self._dropout(hs), None
+            time_scan = cell.resolve_time_scan(self.time_scan, x.shape[0], stateful=state is not None)  # x: [T, B, ...]
+            if state is None:
+                return self._dropout(cell.mix(params, input_term(x, w_xh) + b, x, time_scan, self.unroll,
+                                              self.recurrence)), None
+            if not cell.carries_state(time_scan):
+                raise ValueError(f"model.time_scan={time_scan} of cell {cell.name!r} carries no state; "
+                                 f"allowed with a state: {', '.join(cell.state_forms or cell.time_scans)}, auto")
+            hs, state = cell.mix_state(params, input_term(x, w_xh) + b, x, time_scan, self.unroll, self.recurrence,
+                                       state)
+            return self._dropout(hs), state
+        if state is not None:  # a step cell's state is its carry: the scan of its step from it (every recurrence)
+            def carried(carry, u_t):
+                carry, h, _ = cell.step(params, carry, u_t + b)
+                return carry, h
+
+            state, hs = jax.lax.scan(carried, state, input_term(x, w_xh), unroll=self.unroll)
+            return self._dropout(hs), state
         if onednn_layer:
             hs = onednn.KERNELS[cell.onednn_kernel](x, w_xh, b, params)
             return self._dropout(hs), None
@@ -226,10 +243,13 @@ class LayerGroup(nn.Module):
     members: tuple[tuple[Any, tuple[tuple[str, Any], ...]], ...]
 
     @nn.compact
-    def __call__(self, x: jax.Array, unused: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, state: Any = None) -> tuple[jax.Array, Any]:
+        """state: None, or {layer_<i>: the i-th layer's state} -> (x, the layers' states after, or None)."""
+        after = {}
         for i, (layer_class, fields) in enumerate(self.members):
-            x, _ = layer_class(**dict(fields), name=f"layer_{i}")(x)
-        return x, None
+            x, after[f"layer_{i}"] = layer_class(**dict(fields), name=f"layer_{i}")(
+                x, None if state is None else state[f"layer_{i}"])
+        return x, None if state is None else after
 
 
 class LayerStack(nn.Module):
@@ -281,20 +301,23 @@ class LayerStack(nn.Module):
         return layer_class, kwargs
 
     @nn.compact
-    def __call__(self, x: jax.Array, projection: Any = None) -> jax.Array:
+    def __call__(self, x: jax.Array, projection: Any = None, state: Any = None) -> Any:
         """x: [T, B, H], or the raw input [T, B, I] or token ids int32[T, B] with `projection` (kernel
-        [I, H], bias [H]) -> [T, B, H] (time-major)."""
+        [I, H], bias [H]) -> [T, B, H] (time-major); given `state` (the layers' states laid out as their
+        parameters are, `initial_state`), ([T, B, H], the layers' states after the last step)."""
         if len(self.pattern) > 1:
-            return self._groups(x, projection)
+            return self._groups(x, projection, state)
+        part = (lambda name: None) if state is None else state.get  # noqa: E731  (a layer's part of `state`)
+        after = {}
         layer_class, kwargs = self._layer()
-        x, _ = layer_class(**kwargs, name="layer_0")(x, projection=projection)
+        x, after["layer_0"] = layer_class(**kwargs, name="layer_0")(x, part("layer_0"), projection=projection)
         rest = self.num_layers - 1
         if rest == 0:
-            return x
+            return x if state is None else (x, after)
         if not self.scan_layers:
             for i in range(1, self.num_layers):
-                x, _ = layer_class(**kwargs, name=f"layer_{i}")(x)
-            return x
+                x, after[f"layer_{i}"] = layer_class(**kwargs, name=f"layer_{i}")(x, part(f"layer_{i}"))
+            return x if state is None else (x, after)
         if self.stack_init == "vmap" and self.is_initializing():
             stack = nn.vmap(
                 layer_class, variable_axes={"params": 0}, split_rngs={"params": True},
@@ -302,22 +325,24 @@ class LayerStack(nn.Module):
             )
             stack(**kwargs, name="layers")(x, None)
             return x
-        stack = nn.scan(
+        stack = nn.scan(  # the layers' states (stacked [L-1, ...]) are scanned over with their parameters
             layer_class, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True}, length=rest,
         )
-        x, _ = stack(**kwargs, name="layers")(x, None)
-        return x
+        x, after["layers"] = stack(**kwargs, name="layers")(x, part("layers"))
+        return x if state is None else (x, after)
 
-    def _groups(self, x: jax.Array, projection: Any) -> jax.Array:
+    def _groups(self, x: jax.Array, projection: Any, state: Any) -> Any:
         """A hybrid: the projection, then one scan of a `LayerGroup` over the groups (or a Python loop)."""
         period = len(self.pattern)
+        part = (lambda name: None) if state is None else state.get  # noqa: E731
         if projection is not None:  # x P + c here, once, so that the first group is the scan's body too
             x = apply_projection(x, projection, dict(self.layer_options).get("dtype", jnp.float32))
         if not self.scan_layers:
+            after = {}
             for j in range(self.num_layers):
                 layer_class, kwargs = self._layer(j % period)
-                x, _ = layer_class(**kwargs, name=f"layer_{j}")(x)
-            return x
+                x, after[f"layer_{j}"] = layer_class(**kwargs, name=f"layer_{j}")(x, part(f"layer_{j}"))
+            return x if state is None else (x, after)
         members = tuple((cls, tuple(kwargs.items())) for cls, kwargs in map(self._layer, range(period)))
         groups = self.num_layers // period
         if self.stack_init == "vmap" and self.is_initializing():
@@ -327,8 +352,8 @@ class LayerStack(nn.Module):
             return x
         stack = nn.scan(LayerGroup, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
                         length=groups)
-        x, _ = stack(members, name="groups")(x, None)
-        return x
+        x, after = stack(members, name="groups")(x, part("groups"))
+        return x if state is None else (x, {"groups": after})
 
 
 class RecurrentModel(nn.Module):
@@ -345,9 +370,12 @@ class RecurrentModel(nn.Module):
     layer_cells: tuple[LayerCell, ...] = ()
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False, state: Any = None) -> Any:
         """x: f32[B, T, I], or token ids int32[B, T] in [0, input_dim) (input_dim: a padded step, embedded
-        as zero) -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng)."""
+        as zero) -> f32[B, T, output_dim]. `train=True` turns on dropout (needs a `dropout` rng).
+
+        state: None, or the model's state before x's first step (`initial_state`, or what a call on the
+        segment before returned) -> (outputs, the state after x's last step): the model as an RNN."""
         c = self.config
         if c.unroll is None:
             raise ValueError("model.unroll is null: build the model with rnnlab.models.build_model, which resolves it")
@@ -372,11 +400,48 @@ class RecurrentModel(nn.Module):
              ("forget_bias", s.forget_bias), ("recurrence", s.recurrence), ("time_scan", s.time_scan))
             for s in specs)
         x = LayerStack(c.hidden_dim, c.num_layers, c.init, c.activation, c.scan_layers, c.stack_init,
-                       layer_options, c.block, block_fields, pattern, name="stack")(x, projection)
+                       layer_options, c.block, block_fields, pattern, name="stack")(x, projection, state)
+        if state is not None:
+            x, after = x
         if c.block == "residual":
             x = nn.RMSNorm(dtype=dtype, name="final_norm")(x)
         y = nn.Dense(self.output_dim, dtype=dtype, name="readout")(x)  # [T, B, O]
-        return jnp.swapaxes(y, 0, 1).astype(jnp.float32)
+        y = jnp.swapaxes(y, 0, 1).astype(jnp.float32)
+        return y if state is None else (y, after)
+
+
+def initial_state(model: RecurrentModel, batch: int, cache_len: int = 0) -> dict:
+    """The state of `model` before the first step for `batch` examples: every layer's (`Cell.initial_state`,
+    and in a residual block with the RWKV MLP its token shift's last input), zeros, laid out as the layers'
+    parameters are (`stack/...`: `layer_0`, `layers` stacked [L-1, ...]; a hybrid's `groups/layer_<i>` stacked
+    [L / p, ...]; unstacked `layer_<j>` with `model.scan_layers=false`). `cache_len`: the steps attention's
+    cache must hold (every step the state will see; with a window, at most the window's)."""
+    c = model.config
+    specs = model.layer_cells or c.layer_cells()
+    dtype = DTYPES[c.dtype]
+
+    def layer(spec: LayerCell) -> Any:
+        cell = spec.make(c.hidden_dim)
+        state = cell.initial_state(batch, dtype, cache_len)
+        if c.block != "residual":
+            return state
+        return {"mixer": state} | ({"mlp": jnp.zeros((batch, c.hidden_dim), dtype)} if c.mlp == "rwkv" else {})
+
+    def stacked(state: Any, n: int) -> Any:
+        return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), state)
+
+    period = len(specs)
+    if not c.scan_layers:
+        return {f"layer_{j}": layer(specs[j % period]) for j in range(c.num_layers)}
+    if period > 1:
+        return {"groups": {f"layer_{i}": stacked(layer(spec), c.num_layers // period) for i, spec in enumerate(specs)}}
+    first = layer(specs[0])
+    return {"layer_0": first} | ({"layers": stacked(first, c.num_layers - 1)} if c.num_layers > 1 else {})
+
+
+def state_bytes(state: Any) -> int:
+    """Bytes of a state (`initial_state`) for all its examples."""
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(state))
 
 
 def build_model(config: ModelConfig, output_dim: int, platform: str | None = None,

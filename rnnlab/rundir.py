@@ -34,8 +34,8 @@ WIDTH_KEYS = ("task.input_dim", "task.output_dim")
 # `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
 DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
-FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "device.num_devices",
-             "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
+FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "data.eval_segment_len",
+             "device.num_devices", "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 # Keys added after run records existed, with the value a record written before them means: an older
 # run dir resumes as the model it trained.

@@ -20,7 +20,7 @@ import optax
 from rnnlab import config as cfg
 from rnnlab import cpu, flops, memory, parallel, rundir, tasks
 from rnnlab.checkpoint import Checkpointer
-from rnnlab.models import build_model
+from rnnlab.models import build_model, initial_state
 from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, create_train_state, default_steps_per_dispatch,
                           make_dispatch, make_optimizer, run_once_options)
 
@@ -119,8 +119,14 @@ def _check_fits(setup: Setup) -> None:
     state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx), task.input_spec(1))
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
     evaluated = [task] + [task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len]
-    batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in evaluated]
+    segment = config.data.eval_segment_len
+    whole = [t for t in evaluated if segment is None or t.total_len <= segment]  # the rest never exist whole
+    batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in whole]
     kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
+    longest = max((t.total_len for t in evaluated if t not in whole), default=0)
+    if longest:  # the model's state at the longest length run in segments (attention's cache grows with it)
+        memory.check_eval_state_fits(memory.tree_bytes(jax.eval_shape(
+            lambda: initial_state(setup.model, setup.per_device, longest))), longest, setup.devices, config)
     memory.check_state_fits(state, batches, setup.devices, config, kept)
 
 

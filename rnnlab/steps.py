@@ -22,6 +22,7 @@ from flax.training import train_state
 
 from rnnlab import config as cfg
 from rnnlab import parallel, tasks
+from rnnlab.models import build_model, initial_state
 
 PARAMS_STREAM = 2
 DROPOUT_STREAM = 3
@@ -231,6 +232,46 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
     return Evaluator(p_eval_step, [sampler(dp.host_scalar(i), seed) for i in range(config.eval_batches)], examples)
 
 
+def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
+                           segment_len: int) -> Evaluator:
+    """The `Evaluator` of `task` run as an RNN (`data.eval_segment_len`): each eval batch, drawn from the same
+    keys as `make_evaluator`'s, is evaluated in segments of `segment_len` steps, one after another, the
+    model's state and the task's carry (`Task.sample_segment`) going from each to the next and the
+    scores summed (`Task.segment_totals`): nothing of the whole length is ever in memory. Its batches are
+    the (batch index, seed) pairs; each segment is drawn on the device."""
+    model = build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
+    length = task.total_len
+    whole, rest = divmod(length, segment_len)
+
+    def evaluate(state, index, seed):
+        first = jax.lax.axis_index(parallel.AXIS) * per_device
+        step_key = jax.random.fold_in(tasks.stream_key(seed, tasks.EVAL_STREAM), index)  # as `tasks.sample_batch`
+        keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(first + jnp.arange(per_device))
+        draw = jax.vmap(task.sample_segment, in_axes=(0, 0, None, None))
+
+        def segment(carry, start, size):
+            model_state, data, totals = carry
+            inputs, targets, data = draw(keys, data, start, size)
+            outputs, model_state = state.apply_fn({"params": state.params}, inputs, state=model_state)
+            totals = jax.tree_util.tree_map(jnp.add, totals, task.segment_totals(outputs, targets))
+            return model_state, data, totals
+
+        data = jax.vmap(lambda _: task.initial_carry())(keys)
+        totals = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
+            lambda: task.segment_totals(jnp.zeros((per_device, 1, task.output_dim)), jnp.zeros((per_device, 1), jnp.int32))))
+        carry = (initial_state(model, per_device, length), data, totals)
+        carry, _ = jax.lax.scan(lambda c, s: (segment(c, s * segment_len, segment_len), None), carry, jnp.arange(whole))
+        if rest:
+            carry = segment(carry, whole * segment_len, rest)
+        loss, task_metrics = task.metrics_from_totals(carry[2])
+        return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
+
+    step = dp.map(lambda state, batch: evaluate(state, *batch), (parallel.REPLICATED, parallel.REPLICATED),
+                  parallel.REPLICATED)
+    seed = dp.replicate(np.uint32(config.seed))
+    return Evaluator(step, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)])
+
+
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:
     """The keys of `train_step`'s metrics, in the order `make_dispatch` stacks them."""
     return ("loss", *task.metric_names, "grad_norm", "lr") + (("skipped",) if skip_nonfinite else ())
@@ -409,10 +450,17 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
     per_device = config.batch_size // len(devices)
     dp = parallel.DataParallel(devices, config.device.strategy)
     dispatch = make_dispatch(config, task, dp, per_device, steps_per_dispatch)
-    # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length.
-    evaluators = {task.seq_len: make_evaluator(config, task, per_device, dp, examples)}
-    evaluators |= {n: make_evaluator(config, task.with_seq_len(n), per_device, dp)
-                   for n in config.data.eval_seq_lens if n != task.seq_len}
+    # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length;
+    # a length past data.eval_segment_len in segments, its batches drawn segment by segment as it runs.
+    segment = config.data.eval_segment_len
+
+    def evaluator(t: tasks.Task, examples: int = 0) -> Evaluator:
+        if segment is not None and t.total_len > segment:
+            return make_segment_evaluator(config, t, per_device, dp, segment)
+        return make_evaluator(config, t, per_device, dp, examples)
+
+    evaluators = {task.seq_len: evaluator(task, examples)}
+    evaluators |= {n: evaluator(task.with_seq_len(n)) for n in config.data.eval_seq_lens if n != task.seq_len}
     return StepFunctions(
         dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,

@@ -520,6 +520,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where summary.md/csv and the PNGs go (default: ROOT)")
     parser.add_argument("--csv", action="store_true", help="print CSV instead of markdown")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--decode", type=Path, default=Path(HERE).parent / "docs" / "decode.csv",
+                        help="scripts/bench_decode.py's CSV: a zoo's state-size figure gains a frontier figure "
+                             "against decode tokens/s (default: the committed docs/decode.csv, where it exists)")
     args = parser.parse_args(argv)
     sweep = Sweep(args.root)
     if not sweep.jobs:
@@ -547,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from summary_plots import plot
 
-            written = plot(sweep, zoo_list, out)
+            written = plot(sweep, zoo_list, out, args.decode)
         except ImportError:
             print('summarize: matplotlib is not installed (pip install -e ".[plots]"): tables only', file=sys.stderr)
         else:

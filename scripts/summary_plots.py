@@ -238,6 +238,61 @@ def zoo_state_figure(zoo: Any, panel_key: str | None, plt: Any) -> Any:
     return fig
 
 
+def decode_speeds(path: Path) -> tuple[dict[str, float], str]:
+    """From `scripts/bench_decode.py`'s CSV: {cell: decode tokens/s} at its largest batch and the longest context
+    every cell measured there, and that setting in words ("" and {} where the file is absent)."""
+    import csv
+
+    if not path or not Path(path).exists():
+        return {}, ""
+    rows = list(csv.DictReader(Path(path).open()))
+    if not rows:
+        return {}, ""
+    batch = max(int(r["batch"]) for r in rows)
+    rows = [r for r in rows if int(r["batch"]) == batch]
+    cells = {r["cell"] for r in rows}
+    contexts = [c for c in {int(r["context"]) for r in rows} if {r["cell"] for r in rows if int(r["context"]) == c} == cells]
+    if not contexts:
+        return {}, ""
+    context = max(contexts)
+    speeds = {r["cell"]: float(r["decode_tokens_per_sec"]) for r in rows if int(r["context"]) == context}
+    return speeds, f"batch {batch}, context {context:,}, {rows[0]['platform']}"
+
+
+def zoo_frontier_figure(zoo: Any, panel_key: str | None, speeds: dict[str, float], setting: str, plt: Any) -> Any:
+    """Based's figure (Arora et al. 2024): the metric at the training length against decode tokens/s
+    (`scripts/bench_decode.py`'s, by cell), each point labelled with its state floats: recall, state size and
+    throughput together; a panel per value of `panel_key` (data.num_pairs). Cells the bench lacks are left out."""
+    whole = all(f is not None for f in zoo.model_state_floats)
+    floats = zoo.model_state_floats if whole else zoo.state_floats
+    panels = sorted({zoo.setting_value(r, panel_key) for r in range(len(zoo.labels))}, key=natural_key) \
+        if panel_key else [None]
+    cells = [c for c in dict.fromkeys(zoo.cells) if c in speeds]
+    palette = dict(zip(cells, styles(plt, len(cells))))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 1.5, 4.2), sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for cell in cells:
+            pts = [(speeds[cell], zoo_train_metric(zoo, r), floats[r]) for r in range(len(zoo.labels))
+                   if zoo.cells[r] == cell and (panel_key is None or zoo.setting_value(r, panel_key) == panel)
+                   and zoo_train_metric(zoo, r) is not None]
+            if not pts:
+                continue
+            style = {**palette[cell], "linestyle": "none"}  # one point per setting: no line joins them
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=cell, **style)
+            for x, y, f in pts:
+                if f:
+                    ax.annotate(f"{f:,.0f}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set(xlabel=f"decode tokens/s ({setting})", title=f"{panel_key}={panel}" if panel_key else "")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel(f"eval {zoo.metric} at seq_len {zoo.seq_len}")
+    legend(axes[0][-1])
+    fig.suptitle(f"{zoo.task or 'zoo'}: eval {zoo.metric} against decode speed; labels: state floats "
+                 f"{'of the model' if whole else 'per layer'} (best lr of each)")
+    fig.tight_layout()
+    return fig
+
+
 def natural_key(text: Any) -> tuple:
     try:
         return (0, float(text), "")
@@ -250,12 +305,14 @@ def file_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
 
 
-def plot(sweep: Any, zoos: Any, out: Path) -> list[Path]:
+def plot(sweep: Any, zoos: Any, out: Path, decode_csv: Path | None = None) -> list[Path]:
     """Writes loss_curves.png, sweep_<param>.png per swept parameter and, for a zoo (`zoos`: a Zoo, or
     summarize.zoos' list of one per task), zoo_<metric>_by_len.png, zoo_<metric>_by_<key>.png per numeric
     swept setting key (data.num_pairs, hidden_dim) and zoo_<metric>_by_state_floats.png where state sizes
-    differ. A zoo of several tasks: zoo_tasks_by_len.png (a panel per task), and the others per task as
+    differ, and with `decode_csv` (`scripts/bench_decode.py`'s) zoo_<metric>_frontier.png there too. A zoo of
+    several tasks: zoo_tasks_by_len.png (a panel per task), and the others per task as
     zoo_<task>_<metric>_by_....png. Returns the files written."""
+    speeds, setting = decode_speeds(decode_csv)
     plt = pyplot()
     figures = [("loss_curves.png", loss_figure(sweep, plt))]
     figures += [(f"sweep_{file_name(param)}.png", param_figure(sweep, param, plt)) for param in sweep.swept]
@@ -273,6 +330,8 @@ def plot(sweep: Any, zoos: Any, out: Path) -> list[Path]:
         if zoo.seq_len and len({f for f in (zoo.model_state_floats if whole else zoo.state_floats) if f}) > 1:
             panel = "data.num_pairs" if "data.num_pairs" in keys else None
             figures.append((f"zoo_{metric}_by_state_floats.png", zoo_state_figure(zoo, panel, plt)))
+            if any(cell in speeds for cell in zoo.cells):
+                figures.append((f"zoo_{metric}_frontier.png", zoo_frontier_figure(zoo, panel, speeds, setting, plt)))
     written = []
     for name, fig in figures:
         written.append(out / name)

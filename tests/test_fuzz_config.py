@@ -417,6 +417,7 @@ CHECKED_ACROSS_KEYS = {
     "data.min_seq_len": "null or the task's minimum .. data.seq_len",
     "data.vocab_size": "even and >= 2 x data.num_pairs (mqar; selective_copy's is declared)",
     "data.eval_seq_lens": "distinct lengths, each at least the task's minimum",
+    "data.eval_segment_len": "null or >= 1, and only for a task with sample_segment",
     "distributed.process_id": "below distributed.num_processes",
 }
 

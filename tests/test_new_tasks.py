@@ -229,9 +229,9 @@ def test_task_options_come_from_the_data_group():
     "overrides,message",
     [
         (["data=parity", "+data.vocab_size=4"], "unknown key 'data.vocab_size' (allowed in data: task, seq_len, "
-                                                "min_seq_len, eval_seq_lens)"),
+                                                "min_seq_len, eval_seq_lens, eval_segment_len)"),
         (["data=mqar", "+data.num_tokens=4"], "unknown key 'data.num_tokens' (allowed in data: task, seq_len, "
-                                              "min_seq_len, eval_seq_lens, vocab_size, num_pairs, power_a)"),
+                                              "min_seq_len, eval_seq_lens, eval_segment_len, vocab_size, num_pairs, power_a)"),
         (["data=mqar", "data.vocab_size=abc"], "key 'data.vocab_size': got 'abc', expected an integer"),
         (["data=mqar", "data.vocab_size=7"], "key 'data.vocab_size': got 7, must be even and >= 2 x data.num_pairs"),
         (["data=mqar", "data.num_pairs=20"], "key 'data.vocab_size': got 32, must be even and >= 2 x data.num_pairs = 40"),

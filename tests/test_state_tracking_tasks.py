@@ -274,7 +274,7 @@ ALLOWED = ("allowed: s<n> (n = 2 .. 6), a<n> (n = 3 .. 6), z<n> (n >= 2), or the
         (["data=word_problem", "data.seq_len=0"], "key 'data.seq_len': got 0, the word_problem task needs >= 1"),
         (["data=word_problem", "data.min_seq_len=20"], "key 'data.min_seq_len': got 20, allowed: null or 1 .. 16"),
         (["data=word_problem", "+data.modulus=5"], "unknown key 'data.modulus' (allowed in data: task, seq_len, "
-                                                   "min_seq_len, eval_seq_lens, group)"),
+                                                   "min_seq_len, eval_seq_lens, eval_segment_len, group)"),
         (["data=modular_arithmetic", "data.modulus=1"], "key 'data.modulus': got 1, allowed: 2 .. 64"),
         (["data=modular_arithmetic", "data.modulus=65"], "key 'data.modulus': got 65, allowed: 2 .. 64"),
         (["data=modular_arithmetic", "data.modulus=abc"], "key 'data.modulus': got 'abc', expected an integer"),

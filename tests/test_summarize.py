@@ -382,3 +382,33 @@ def test_a_hybrid_is_its_own_row_with_the_models_state_and_sits_beside_pure_stac
     (ax,) = fig.axes
     assert ax.get_xlabel() == "state floats of the model (log2 axis)"
     assert sorted(x for line in ax.get_lines() for x in line.get_xdata()) == [64, 128, 192, 256]
+
+
+def test_the_frontier_places_each_zoo_row_at_its_cells_decode_speed_from_the_bench(tmp_path, scripts):
+    """Based's figure: accuracy against bench_decode.py's decode tokens/s (its largest batch, the longest context
+    every cell has there), each point labelled with its state floats; a cell the bench lacks is left out."""
+    grid = [{"model": cell, "hidden_dim": h} for cell in ("gru", "mamba", "lstm") for h in (8, 16)]
+
+    def results(n, values):
+        by_len = {k: {"loss": 1 - v, "accuracy": v / (n + 1)} for k, v in LENGTHS.items()}
+        return {"eval_by_len": by_len, "eval_metrics": {"accuracy": 0.5}, "eval_metric_name": "accuracy",
+                "task": "mqar", "state_floats": 16 * (n + 1)}
+
+    zoo = scripts.Zoo(scripts.Sweep(make_sweep(tmp_path / "zoo", grid, results,
+                                               lambda v: {"model": {"cell": v["model"]}, "data": {"task": "mqar", "seq_len": 32}})))
+    bench = tmp_path / "decode.csv"
+    rows = [("gru", 1, 1024, 500), ("gru", 64, 1024, 9000), ("gru", 64, 4096, 8000), ("mamba", 64, 1024, 4000),
+            ("mamba", 64, 4096, 3000), ("mamba", 1, 1024, 100)]
+    bench.write_text("cell,batch,context,decode_tokens_per_sec,platform\n"
+                     + "".join(f"{c},{b},{n},{s},cpu\n" for c, b, n, s in rows))
+    require("matplotlib")
+    import summary_plots
+
+    speeds, setting = summary_plots.decode_speeds(bench)
+    assert speeds == {"gru": 8000.0, "mamba": 3000.0} and setting == "batch 64, context 4,096, cpu"
+    fig = summary_plots.zoo_frontier_figure(zoo, None, speeds, setting, summary_plots.pyplot())
+    (ax,) = fig.axes
+    assert sorted(line.get_label() for line in ax.get_lines()) == ["gru", "mamba"]
+    assert sorted(x for line in ax.get_lines() for x in line.get_xdata()) == [3000, 3000, 8000, 8000]
+    assert ax.get_xlabel() == "decode tokens/s (batch 64, context 4,096, cpu)"
+    assert {t.get_text() for t in ax.texts} == {f"{16 * (n + 1):,}" for n in range(4)}

@@ -40,6 +40,15 @@ Forms (`model.time_scan`), the same function:
                 j <= i): N (N + 1) / 2 pairs of the N^2 without a window (about half the T x T work of
                 `parallel`), at most K N with one. No [T, T] array is stored: memory grows as T, and at
                 a fixed window so does the work.
+
+As an RNN (`mix_state` given a state), both forms run alike: the state is the KV cache (`initial_state`),
+the rotated keys k~_s and values v_s of the steps seen so far in C slots, step s in slot s mod C (without
+a window C must hold every step; with one it is a ring buffer of the last w), and the position of the
+next step. A segment's queries, rotated at their absolute positions, attend over the cache, then over
+the segment itself, in one online softmax over blocks of `model.block_size` keys (`cached_attention`: no
+[T, C] scores); slot c holds step pos - 1 - ((pos - 1 - c) mod C), empty where that is negative, and is
+visible to query t where it is not empty and, with a window, within it. The segment's last min(T, C)
+steps are then written into their slots.
 """
 
 from __future__ import annotations
@@ -197,17 +206,70 @@ def _flash_bwd(window, residuals, do):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def rope(x: jax.Array, base: float = ROPE_BASE) -> jax.Array:
-    """Rotary embedding of x: [T, B, heads, d] at positions 0 .. T-1 (half-split pairs (i, i + d//2),
-    an odd last feature unrotated). Elementwise: the angles in float32, the result in x's dtype."""
+def rope(x: jax.Array, base: float = ROPE_BASE, start: jax.Array | None = None) -> jax.Array:
+    """Rotary embedding of x: [T, B, heads, d] at positions 0 .. T-1, or with `start` (int32[B]) at
+    start_b .. start_b + T-1 (half-split pairs (i, i + d//2), an odd last feature unrotated). Elementwise:
+    the angles in float32, the result in x's dtype."""
     length, half = x.shape[0], x.shape[-1] // 2
     if half == 0:
         return x
     theta = base ** (-jnp.arange(half, dtype=jnp.float32) / half)  # 10000^(-2i/d'), d' = 2 * half
-    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * theta  # [T, half]
-    cos, sin = (f(angle)[:, None, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
+    positions = jnp.arange(length)[:, None] + (0 if start is None else start[None, :])  # [T, 1] or [T, B]
+    angle = positions.astype(jnp.float32)[..., None] * theta  # [T, 1 or B, half]
+    cos, sin = (f(angle)[:, :, None, :].astype(x.dtype) for f in (jnp.cos, jnp.sin))
     x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos, rest], axis=-1)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: dict, block_size: int,
+                     window: int = 0) -> jax.Array:
+    """A segment's causal attention over the KV cache and itself: q, k, v: [T, B, heads, d] rotated at the
+    positions pos .. pos + T-1 (`cache`: `Attention.initial_state`'s) -> [T, B, heads, d] in v's dtype.
+    One online softmax (running max m, normaliser l, output acc: float32) over blocks of `block_size`
+    keys, the cache's then the segment's, so no score array is wider than a block."""
+    length, batch, heads, d = q.shape
+    start = cache["pos"]  # [B]
+    qpos = start[:, None] + jnp.arange(length)  # [B, T]
+    carry = (jnp.full((batch, heads, length), -jnp.inf), jnp.zeros((batch, heads, length)),
+             jnp.zeros((batch, heads, length, d)))
+    capacity = cache["k"].shape[1]
+    if capacity:  # slot c holds the last step s < pos with s = c mod C; none (s < 0) before the cache fills
+        slots = jnp.arange(capacity)
+        kpos = start[:, None] - 1 - jnp.mod(start[:, None] - 1 - slots, capacity)  # [B, C]
+        carry = _online_blocks(carry, q, qpos, cache["k"], cache["v"], kpos, block_size, window)
+    own = (jnp.swapaxes(a, 0, 1) for a in (k, v))  # batch-major [B, T, heads, d], as the cache
+    m, l, acc = _online_blocks(carry, q, qpos, *own, qpos, block_size, window)
+    return jnp.moveaxis(acc / l[..., None], 2, 0).astype(v.dtype)  # every query sees itself: l > 0
+
+
+def _online_blocks(carry, q, qpos, k, v, kpos, block_size, window):
+    """The online softmax `carry` (m, l: [B, heads, T], acc: [B, heads, T, d]) of queries q: [T, B, heads, d]
+    at positions qpos: [B, T], extended over the keys k, v: [B, S, heads, d] at positions kpos: [B, S]
+    (negative: an empty slot), a block of keys at a time. Query t sees key s where 0 <= kpos_s <= qpos_t,
+    and with a window kpos_s > qpos_t - window. Blocks are cut out in place (no padded copy): the last
+    starts at S - block, and masks the keys the block before it covered."""
+    size = k.shape[1]
+    block = min(block_size, size)
+    scale = 1 / math.sqrt(q.shape[-1])
+
+    def step(carry, j):
+        m, l, acc = carry
+        first = jnp.minimum(j * block, size - block)
+        k_j, v_j, kpos_j = (jax.lax.dynamic_slice_in_dim(a, first, block, axis=1) for a in (k, v, kpos))
+        s = mm("tbnd,bsnd->bnts", q, k_j, q.dtype) * scale
+        kp, qp = kpos_j[:, None, :], qpos[:, :, None]  # [B, 1, S], [B, T, 1]
+        visible = (kp >= 0) & (kp <= qp) & (first + jnp.arange(block) >= j * block)
+        if window:
+            visible &= kp > qp - window
+        s = jnp.where(visible[:, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))  # -inf while a query has seen no key
+        m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_safe[..., None])
+        rescale = jnp.exp(m - m_safe)
+        acc = acc * rescale[..., None] + mm("bnts,bsnd->bntd", p, v_j, v.dtype)
+        return (m_new, l * rescale + jnp.sum(p, axis=-1), acc), None
+
+    return jax.lax.scan(step, carry, jnp.arange(-(-size // block)))[0]
 
 
 @register_cell
@@ -230,18 +292,46 @@ class Attention(SequenceCell):
     def param_specs(self):
         return {"W_o": ((self.hidden_dim, self.hidden_dim), nn.initializers.lecun_normal())}
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
-        """u: [T, B, 3H] -> [T, B, H] by the form `time_scan`; `unroll` and `recurrence` are unused."""
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
+        """u: [T, B, 3H] -> [T, B, H], and the cache after the last step (None without `state`). Without a
+        state, by the form `time_scan`; with one, every form by `cached_attention`. `unroll`, `recurrence`: unused."""
         length, batch, _ = u.shape
         q, k, v = (a.reshape(length, batch, self.num_heads, self.head_dim) for a in jnp.split(u, 3, axis=-1))
-        q, k = rope(q), rope(k)
-        if time_scan == "blockwise":
-            o = blockwise_attention(q, k, v, self.block_size, self.window)
-        else:  # the kernel's layout is batch-major, [B, T, heads, d]; its window (left, right) counts the keys besides t
-            local = {"local_window_size": (self.window - 1, 0)} if self.window else {}
-            o = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 0, 1) for a in (q, k, v)), is_causal=True, **local)
-            o = jnp.swapaxes(o, 0, 1)
-        return o.reshape(length, batch, self.hidden_dim) @ params["W_o"]
+        if state is not None:
+            q, k = rope(q, start=state["pos"]), rope(k, start=state["pos"])
+            o = cached_attention(q, k, v, state, self.block_size, self.window)
+            state = self._write(state, k, v)
+        else:
+            q, k = rope(q), rope(k)
+            if time_scan == "blockwise":
+                o = blockwise_attention(q, k, v, self.block_size, self.window)
+            else:  # the kernel's layout is batch-major, [B, T, heads, d]; its window (left, right): keys besides t
+                local = {"local_window_size": (self.window - 1, 0)} if self.window else {}
+                o = jax.nn.dot_product_attention(*(jnp.swapaxes(a, 0, 1) for a in (q, k, v)), is_causal=True, **local)
+                o = jnp.swapaxes(o, 0, 1)
+        return o.reshape(length, batch, self.hidden_dim) @ params["W_o"], state
+
+    def initial_state(self, batch, dtype, cache_len=0):
+        """The KV cache: rotated keys k and values v, [B, C, heads, d] in `dtype`, step s in slot s mod C, and
+        pos: int32[B], the next step's position (the same for every example). C = `cache_len`, every step
+        the state will see (a step past it overwrites the oldest: the caller's error); with a window w,
+        min(w, cache_len), or w where cache_len is 0 (a ring buffer of the last w steps)."""
+        capacity = min(self.window, cache_len or self.window) if self.window else cache_len
+        kv = jnp.zeros((batch, capacity, self.num_heads, self.head_dim), dtype)
+        return {"k": kv, "v": kv, "pos": jnp.zeros((batch,), jnp.int32)}
+
+    @staticmethod
+    def _write(cache, k, v):
+        """`cache` after the segment's rotated keys and values k, v: [T, B, heads, d]: its last min(T, C)
+        steps in their slots (distinct, so no write order matters), pos advanced by T."""
+        length, batch = k.shape[:2]
+        capacity = cache["k"].shape[1]
+        kept = min(length, capacity)
+        slots = jnp.mod(cache["pos"][:, None] + jnp.arange(length - kept, length), max(capacity, 1))  # [B, kept]
+        rows = jnp.arange(batch)[:, None]
+        new = {name: cache[name].at[rows, slots].set(jnp.swapaxes(a[length - kept:], 0, 1).astype(cache[name].dtype))
+               for name, a in (("k", k), ("v", v))}
+        return new | {"pos": cache["pos"] + length}
 
     def state_floats(self, seq_len):
         # The KV cache: k_s and v_s of every step s < T, or of the last w steps with a window.

@@ -13,13 +13,29 @@ import jax.numpy as jnp
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4  # Mamba's initial step range, and its floor (the reference's)
 
 
-def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+def causal_conv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, tail: jax.Array | None = None) -> jax.Array:
     """Depthwise causal convolution over time: x [T, B, C], w [K, C], bias [C] or None -> [T, B, C] with
-    out_t = sum_k w_k * x_{t-K+1+k} (+ bias); x before step 0 is zero. Elementwise: K shifted products."""
+    out_t = sum_k w_k * x_{t-K+1+k} (+ bias); x before step 0 is `tail` ([B, K-1, C], the K-1 inputs before
+    the segment: `conv_tail`), or zero. Elementwise: K shifted products."""
     width, length = w.shape[0], x.shape[0]
-    padded = jnp.concatenate([jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])), x])
+    before = jnp.zeros_like(x, shape=(width - 1, *x.shape[1:])) if tail is None else jnp.swapaxes(tail, 0, 1).astype(x.dtype)
+    padded = jnp.concatenate([before, x])
     out = sum(padded[k:k + length] * w[k] for k in range(width))
     return out if bias is None else out + bias
+
+
+def conv_tail(x: jax.Array, width: int, tail: jax.Array | None = None) -> jax.Array:
+    """The last `width` - 1 inputs of a causal convolution after x [T, B, C] (`tail` [B, K-1, C] before it, or
+    zeros) -> [B, K-1, C]: the state the convolution carries into the next segment."""
+    before = jnp.zeros_like(x, shape=(x.shape[1], width - 1, x.shape[2])) if tail is None else tail.astype(x.dtype)
+    return jnp.concatenate([before, jnp.swapaxes(x, 0, 1)], axis=1)[:, x.shape[0]:]
+
+
+def shift_in(xs: jax.Array, last: jax.Array | None) -> jax.Array:
+    """[T, B, ...] -> [T, B, ...] holding (last, xs_0, ..., xs_{T-2}): the value at t-1 for every t, `last`
+    [B, ...] (the step before the segment; None: zeros) at t = 0. A token shift that carries its state."""
+    first = jnp.zeros_like(xs[:1]) if last is None else last[None].astype(xs.dtype)
+    return jnp.concatenate([first, xs[:-1]], axis=0)
 
 
 def uniform(bound: float):

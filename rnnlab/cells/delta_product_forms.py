@@ -2,8 +2,8 @@
 State-Tracking in Linear RNNs via Householder Products"): n_h delta-rule steps per token, as plain JAX
 functions over the delta rule's forms (`rnnlab.cells.delta_rule_forms`).
 
-Per batch row and head, S: [dk, dv], S_0 = 0, in the row convention of the delta rule's forms; at token t,
-with keys k_{t,1..n}, values v_{t,1..n}, strengths beta_{t,1..n} and one gate alpha_t:
+Per batch row and head, S: [dk, dv], S_0 = 0 or a given state, in the row convention of the delta rule's
+forms; at token t, with keys k_{t,1..n}, values v_{t,1..n}, strengths beta_{t,1..n} and one gate alpha_t:
 
     S_{t,0} = alpha_t S_{t-1}
     S_{t,j} = (I - beta_{t,j} k_{t,j}^T k_{t,j}) S_{t,j-1} + beta_{t,j} k_{t,j}^T v_{t,j}      j = 1..n
@@ -21,10 +21,13 @@ dropped). `delta_product_recurrent` is the sequential scan, `delta_product_chunk
 with chunks of `chunk_size` interleaved steps.
 
 Arrays are time-major: q: [T, B, h, dk]; k: [T, B, h, n, dk]; v: [T, B, h, n, dv]; beta: [T, B, h, n];
-log_alpha: [T, B, h] or None (alpha = 1); outputs [T, B, h, dv].
+log_alpha: [T, B, h] or None (alpha = 1); outputs [T, B, h, dv]. Given an initial state `state` (S_0: float32
+[B, h, dk, dv]), a form returns (o, the state after the last token) instead of o.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,17 +51,26 @@ def interleave(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, log_al
             None if log_alpha is None else at(log_alpha, 0))
 
 
+def per_token(out: Any, n: int, state: jax.Array | None) -> Any:
+    """A delta-rule form's result over the interleaved steps (o, or (o, S_T) given a `state`) -> the same with
+    o at each token's last step."""
+    return out[n - 1::n] if state is None else (out[0][n - 1::n], out[1])
+
+
 def delta_product_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
-                            log_alpha: jax.Array | None = None, checkpoint_every: int = 64) -> jax.Array:
+                            log_alpha: jax.Array | None = None, checkpoint_every: int = 64,
+                            state: jax.Array | None = None) -> Any:
     """Gated DeltaProduct one delta-rule step at a time (n per token); autodiff stores the state once per
     `checkpoint_every` steps. Shapes: module docstring."""
-    n = k.shape[3]
-    return delta_rule_recurrent(*interleave(q, k, v, beta, log_alpha), checkpoint_every)[n - 1::n]
+    out = delta_rule_recurrent(*interleave(q, k, v, beta, log_alpha), checkpoint_every, state)
+    return per_token(out, k.shape[3], state)
 
 
 def delta_product_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
-                          log_alpha: jax.Array | None = None, chunk_size: int = 64) -> jax.Array:
+                          log_alpha: jax.Array | None = None, chunk_size: int = 64,
+                          state: jax.Array | None = None) -> Any:
     """Gated DeltaProduct, chunkwise WY form over chunks of `chunk_size` interleaved steps (at most n T).
     Shapes: module docstring."""
     n = k.shape[3]
-    return delta_rule_chunked(*interleave(q, k, v, beta, log_alpha), min(chunk_size, n * q.shape[0]))[n - 1::n]
+    out = delta_rule_chunked(*interleave(q, k, v, beta, log_alpha), min(chunk_size, n * q.shape[0]), state)
+    return per_token(out, n, state)

@@ -4,7 +4,7 @@ gated DeltaNet (Yang, Kautz and Hatamizadeh 2025, "Gated Delta Networks"): the t
 recurrence as plain JAX functions, a sequential scan and the chunkwise WY form.
 
 The papers write S_t = alpha_t S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T, o_t = S_t q_t
-(columns). In the row convention used here, per batch row and head, S: [dk, dv], S_0 = 0:
+(columns). In the row convention used here, per batch row and head, S: [dk, dv], S_0 = 0 or a given state:
 
     S_t = alpha_t (I - beta_t k_t^T k_t) S_{t-1} + beta_t k_t^T v_t,      o_t = q_t S_t
 
@@ -38,10 +38,13 @@ and once never returned.
 
 Arrays are time-major: q, k: [T, B, h, dk], v: [T, B, h, dv], beta, log_alpha: [T, B, h];
 outputs [T, B, h, dv]. Matmuls take operands in the input dtype and accumulate in float32;
-gates, the WY factors and the state are float32.
+gates, the WY factors and the state are float32. Each form takes an optional initial state `state`
+(S_0: float32 [B, h, dk, dv]); given one, it returns (o, the state after the last step) instead of o.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +82,10 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
 
 
 def delta_rule_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
-                         log_alpha: jax.Array | None = None, checkpoint_every: int = 64) -> jax.Array:
+                         log_alpha: jax.Array | None = None, checkpoint_every: int = 64,
+                         state: jax.Array | None = None) -> Any:
     """(Gated) delta rule one step at a time. q, k: [T, B, h, dk]; v: [T, B, h, dv];
-    beta, log_alpha (None: alpha = 1): [T, B, h] -> o: [T, B, h, dv].
+    beta, log_alpha (None: alpha = 1): [T, B, h] -> o: [T, B, h, dv] (given `state`, (o, S_T)).
 
     Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
@@ -93,22 +97,23 @@ def delta_rule_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Arr
     # Padded steps: alpha = 1, beta = k = v = 0, so the state passes through them unchanged.
     xs = pad_time([q, k, v, beta, log_alpha], padded)
 
-    def step(state, x):
+    def step(s, x):
         q_t, k_t, v_t, beta_t, la_t = x
-        state = jnp.exp(la_t.astype(F32))[..., None, None] * state
-        err = v_t.astype(F32) - mm("bhk,bhkv->bhv", k_t, state, dtype)
-        state = state + mm("bhk,bhv->bhkv", k_t, beta_t.astype(F32)[..., None] * err, dtype)
-        return state, mm("bhk,bhkv->bhv", q_t, state, dtype).astype(dtype)
+        s = jnp.exp(la_t.astype(F32))[..., None, None] * s
+        err = v_t.astype(F32) - mm("bhk,bhkv->bhv", k_t, s, dtype)
+        s = s + mm("bhk,bhv->bhkv", k_t, beta_t.astype(F32)[..., None] * err, dtype)
+        return s, mm("bhk,bhkv->bhv", q_t, s, dtype).astype(dtype)
 
-    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
-    _, o = block_checkpoint_scan(step, init, xs, block)
-    return o[:length]
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state
+    final, o = block_checkpoint_scan(step, init, xs, block)
+    return o[:length] if state is None else (o[:length], final)
 
 
 def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
-                       log_alpha: jax.Array | None = None, chunk_size: int = 64) -> jax.Array:
-    """(Gated) delta rule, chunkwise WY form (module docstring). q, k: [T, B, h, dk];
-    v: [T, B, h, dv]; beta, log_alpha (None: alpha = 1): [T, B, h] -> o: [T, B, h, dv].
+                       log_alpha: jax.Array | None = None, chunk_size: int = 64,
+                       state: jax.Array | None = None) -> Any:
+    """(Gated) delta rule, chunkwise WY form (module docstring). q, k: [T, B, h, dk]; v: [T, B, h, dv];
+    beta, log_alpha (None: alpha = 1): [T, B, h] -> o: [T, B, h, dv] (given `state`, (o, S_T)).
 
     A `lax.scan` over chunks carries the state; autodiff keeps one state per chunk."""
     length, batch, heads, dk = q.shape
@@ -136,15 +141,16 @@ def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array
     scores = mm("...id,...jd->...ij", q, k, dtype) * ratio  # (Q K^T * G), lower incl. diagonal
     k_write = k if write is None else k * write
 
-    def step(state, x):
+    def step(s, x):
         u_c, w_c, k_c = x[:3]
-        u_new = u_c - mm("bhck,bhkv->bhcv", w_c, state, dtype)  # U' = U - W S
-        kept = state if decay is None else x[3] * state
-        return kept + mm("bhck,bhcv->bhkv", k_c, u_new, dtype), (state, u_new)
+        u_new = u_c - mm("bhck,bhkv->bhcv", w_c, s, dtype)  # U' = U - W S
+        kept = s if decay is None else x[3] * s
+        return kept + mm("bhck,bhcv->bhkv", k_c, u_new, dtype), (s, u_new)
 
-    init = jnp.zeros((batch, heads, dk, dv), F32)
+    init = jnp.zeros((batch, heads, dk, dv), F32) if state is None else state
     xs = (u, w, k_write) + (() if decay is None else (decay,))
-    _, (states_in, u_new) = jax.lax.scan(step, init, xs)
+    final, (states_in, u_new) = jax.lax.scan(step, init, xs)
     q_read = q if read is None else q * read
     o = mm("nbhck,nbhkv->nbhcv", q_read, states_in, dtype) + mm("...ij,...jv->...iv", scores, u_new, dtype)
-    return from_chunks(o.astype(dtype), length)
+    o = from_chunks(o.astype(dtype), length)
+    return o if state is None else (o, final)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from rnnlab.cells.common import a_log_uniform_init, dt_bias_init
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import pow2_ceil
-from rnnlab.cells.matrix import MatrixCell, l2_normalize, padded_length
+from rnnlab.cells.matrix import MatrixCell, l2_normalize, padded_length, with_state
 from rnnlab.cells.registry import register_cell
 
 
@@ -57,7 +57,7 @@ class DeltaNet(MatrixCell):
             specs |= {"A_log": ((self.num_heads,), a_log_uniform_init), "dt_bias": ((self.num_heads,), dt_bias_init)}
         return specs
 
-    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence, state):
         q = l2_normalize(q) / math.sqrt(self.head_dim)
         k = l2_normalize(k)
         heads = self.num_heads
@@ -69,8 +69,9 @@ class DeltaNet(MatrixCell):
             step = jax.nn.softplus(extra[..., heads:].astype(jnp.float32) + params["dt_bias"])
             log_alpha = -jnp.exp(params["A_log"]) * step
         if time_scan == "chunked":
-            return delta_rule_chunked(q, k, v, beta, log_alpha, min(self.chunk_size, q.shape[0]))
-        return delta_rule_recurrent(q, k, v, beta, log_alpha, self.chunk_size)
+            return with_state(delta_rule_chunked(q, k, v, beta, log_alpha, min(self.chunk_size, q.shape[0]), state),
+                              state)
+        return with_state(delta_rule_recurrent(q, k, v, beta, log_alpha, self.chunk_size, state), state)
 
     def recurrence_flops(self, seq_len, time_scan):
         d, heads = self.head_dim, self.num_heads

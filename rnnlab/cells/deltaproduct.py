@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_product_recurrent
 from rnnlab.cells.deltanet import GatedDeltaNet
-from rnnlab.cells.matrix import l2_normalize
+from rnnlab.cells.matrix import l2_normalize, with_state
 from rnnlab.cells.registry import register_cell
 from rnnlab.options import allowed
 
@@ -51,7 +51,7 @@ class DeltaProduct(GatedDeltaNet):
     def extra_width(self):
         return self.num_heads * (self.num_householder + 1)  # betas (n per head), alpha's logit per head
 
-    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence, state):
         n, heads = self.num_householder, self.num_heads
         q = l2_normalize(q) / math.sqrt(self.head_dim)
         k = l2_normalize(k)
@@ -62,8 +62,8 @@ class DeltaProduct(GatedDeltaNet):
         step = jax.nn.softplus(extra[..., n * heads:].astype(jnp.float32) + params["dt_bias"])
         log_alpha = -jnp.exp(params["A_log"]) * step
         if time_scan == "chunked":
-            return delta_product_chunked(q, k, v, beta, log_alpha, self.chunk_size)
-        return delta_product_recurrent(q, k, v, beta, log_alpha, self.chunk_size)
+            return with_state(delta_product_chunked(q, k, v, beta, log_alpha, self.chunk_size, state), state)
+        return with_state(delta_product_recurrent(q, k, v, beta, log_alpha, self.chunk_size, state), state)
 
     def recurrence_flops(self, seq_len, time_scan):
         return super().recurrence_flops(self.num_householder * seq_len, time_scan)  # the interleaved steps

@@ -31,6 +31,9 @@ chunking: exact decay ratios, no exp(-g), so no overflow for any decay); the shi
 scores of (a shifted up one step, b or k), shifted down one row. U0, W and the scores of all chunks are
 computed at once; a `lax.scan` over chunks does only U and S'.
 
+State: both forms take an optional `state`, S [B, h, dk, dv] float32 before the first step (zeros: S_0 = 0),
+and then return (o, S after the last step); their padded steps leave S as it is.
+
 Arrays are time-major: q, k, a, b, log_w: [T, B, h, dk], v: [T, B, h, dv]; outputs [T, B, h, dv]. Matmuls
 take operands in the input dtype and accumulate in float32; decays, the WY factors and the state are float32.
 """
@@ -45,8 +48,10 @@ from rnnlab.cells.gla_forms import F32, block_checkpoint_scan, from_chunks, intr
 
 
 def dplr_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, log_w: jax.Array,
-                   checkpoint_every: int = 64) -> jax.Array:
-    """The DPLR delta rule one step at a time. q, k, a, b, log_w: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
+                   checkpoint_every: int = 64, state: jax.Array | None = None
+                   ) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The DPLR delta rule one step at a time. q, k, a, b, log_w: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv];
+    given a `state` S, (o, S after).
 
     Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
@@ -63,15 +68,15 @@ def dplr_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: ja
                  + mm("bhk,bhv->bhkv", k_t, v_t, dtype))
         return state, mm("bhk,bhkv->bhv", q_t, state, dtype).astype(dtype)
 
-    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
-    _, o = block_checkpoint_scan(step, init, xs, block)
-    return o[:length]
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state.astype(F32)
+    final, o = block_checkpoint_scan(step, init, xs, block)
+    return o[:length] if state is None else (o[:length], final)
 
 
 def dplr_chunked(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, log_w: jax.Array,
-                 chunk_size: int = 64) -> jax.Array:
+                 chunk_size: int = 64, state: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The DPLR delta rule, chunkwise WY form (module docstring). q, k, a, b, log_w: [T, B, h, dk];
-    v: [T, B, h, dv] -> o: [T, B, h, dv].
+    v: [T, B, h, dv] -> o: [T, B, h, dv]; given a `state` S, (o, S after).
 
     A `lax.scan` over chunks carries the state; autodiff keeps one state per chunk."""
     length, batch, heads, dk = q.shape
@@ -102,11 +107,12 @@ def dplr_chunked(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.
         vu = jnp.concatenate([v_c.astype(F32), u], axis=-2)
         return decay_c * state + mm("bhck,bhcv->bhkv", kb_c, vu, dtype), (state, u)
 
-    init = jnp.zeros((batch, heads, dk, dv), F32)
-    _, (states_in, u) = jax.lax.scan(step, init, (u0, w, kb_write, v, decay))
+    init = jnp.zeros((batch, heads, dk, dv), F32) if state is None else state.astype(F32)
+    final, (states_in, u) = jax.lax.scan(step, init, (u0, w, kb_write, v, decay))
     o = (mm("nbhck,nbhkv->nbhcv", q * jnp.exp(g), states_in, dtype) + mm("...ij,...jv->...iv", a_qk, v, dtype)
          + mm("...ij,...jv->...iv", a_qb, u, dtype))
-    return from_chunks(o.astype(dtype), length)
+    o = from_chunks(o.astype(dtype), length)
+    return o if state is None else (o, final)
 
 
 def unit_lower_inverse_flops(chunk: int) -> int:

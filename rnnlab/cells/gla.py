@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent, pow2_ceil
-from rnnlab.cells.matrix import MatrixCell, padded_length
+from rnnlab.cells.matrix import MatrixCell, padded_length, with_state
 from rnnlab.cells.registry import register_cell
 from rnnlab.recurrence import linear_recurrence, scan_linear
 
@@ -43,18 +43,20 @@ class GLA(MatrixCell):
             return jnp.zeros(like.shape, jnp.float32)
         return jax.nn.log_sigmoid(extra.astype(jnp.float32)).reshape(like.shape) / GATE_NORMALIZER
 
-    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence, state):
         q = q / math.sqrt(self.head_dim)
         log_alpha = self.log_alpha(extra, q)
         if time_scan == "chunked":
-            return gla_chunked(q, k, v, log_alpha, min(self.chunk_size, q.shape[0]))
+            return with_state(gla_chunked(q, k, v, log_alpha, min(self.chunk_size, q.shape[0]), state), state)
         if time_scan == "sequential":
-            return gla_recurrent(q, k, v, log_alpha, self.chunk_size)
+            return with_state(gla_recurrent(q, k, v, log_alpha, self.chunk_size, state=state), state)
         a = jnp.broadcast_to(jnp.exp(log_alpha)[..., None], (*k.shape, v.shape[-1]))
         b = (k[..., :, None] * v[..., None, :]).astype(jnp.float32)
+        if state is not None:  # S_0 = a_0 S_{-1} + b_0: the state folds into the first step's b
+            b = b.at[0].add(a[0] * state)
         scan = linear_recurrence if recurrence == "custom_vjp" else scan_linear
         states = scan(a, b, "associative", unroll)  # [T, B, heads, dk, dv]
-        return jnp.einsum("tbhk,tbhkv->tbhv", q.astype(jnp.float32), states).astype(q.dtype)
+        return jnp.einsum("tbhk,tbhkv->tbhv", q.astype(jnp.float32), states).astype(q.dtype), states[-1]
 
     def recurrence_flops(self, seq_len, time_scan):
         d, heads = self.head_dim, self.num_heads

@@ -2,7 +2,7 @@
 Transformers with Hardware-Efficient Training"): the time-mixing recurrence as plain JAX
 functions, a sequential scan and the chunkwise-parallel form.
 
-Row convention, per batch row and head; S: [dk, dv], S_0 = 0; q_t, k_t: [dk], v_t: [dv] (rows):
+Row convention, per batch row and head; S: [dk, dv], S_0 = 0 or a given state; q_t, k_t: [dk], v_t: [dv] (rows):
 
     S_t = diag(alpha_t) S_{t-1} + k_t^T v_t,      o_t = q_t S_t,      alpha_t = exp(log_alpha_t) in (0, 1]^dk
 
@@ -30,8 +30,10 @@ C^2 dk / 2 multiply-adds in log2(C) levels, and no [C, C, dk] tensor.
 
 Arrays are time-major: q, k, log_alpha: [T, B, h, dk], v: [T, B, h, dv]; outputs [T, B, h, dv].
 Matmuls take operands in the input dtype and accumulate in float32; gates and the state are
-float32. The helpers (`mm`, `pad_time`, `to_chunks`, `from_chunks`, `block_checkpoint_scan`,
-`pow2_ceil`, `scalar_decays`) are shared with `rnnlab.cells.delta_rule_forms`.
+float32. Each form takes an optional initial state `state` (S_0: float32 [B, h, dk, dv]); given one,
+it returns (o, the state after the last step) instead of o. The helpers (`mm`, `pad_time`,
+`to_chunks`, `from_chunks`, `block_checkpoint_scan`, `pow2_ceil`, `scalar_decays`) are shared with
+`rnnlab.cells.delta_rule_forms`.
 
 With one gate per head instead of one per key dimension (alpha_t a scalar: Mamba-2's SSD, Dao and
 Gu 2024), A_ij = (q_i . k_j) exp(g_i - g_j) is one matmul times a [C, C] matrix of decay ratios,
@@ -86,9 +88,10 @@ def block_checkpoint_scan(step: Callable, init: Any, xs: list, block: int, unrol
 
 
 def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
-                  checkpoint_every: int = 64, negative: jax.Array | None = None) -> jax.Array:
-    """GLA one step at a time. q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
-    `negative` (bool, like log_alpha; None: all False) marks the gates that are -exp(log_alpha).
+                  checkpoint_every: int = 64, negative: jax.Array | None = None, state: jax.Array | None = None) -> Any:
+    """GLA one step at a time. q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv]
+    (given `state` S_0: [B, h, dk, dv], (o, S_T)). `negative` (bool, like log_alpha; None: all False)
+    marks the gates that are -exp(log_alpha).
 
     Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
@@ -98,17 +101,17 @@ def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array
     # Padded steps: alpha = 1, k = v = 0, so the state passes through them unchanged.
     xs = pad_time([q, k, v, log_alpha] + ([] if negative is None else [negative]), padded)
 
-    def step(state, x):
+    def step(s, x):
         q_t, k_t, v_t, la_t = x[:4]
         alpha = jnp.exp(la_t.astype(F32))
         if negative is not None:
             alpha = jnp.where(x[4], -alpha, alpha)
-        state = alpha[..., None] * state + mm("bhk,bhv->bhkv", k_t, v_t, dtype)
-        return state, mm("bhk,bhkv->bhv", q_t, state, dtype).astype(dtype)
+        s = alpha[..., None] * s + mm("bhk,bhv->bhkv", k_t, v_t, dtype)
+        return s, mm("bhk,bhkv->bhv", q_t, s, dtype).astype(dtype)
 
-    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
-    _, o = block_checkpoint_scan(step, init, xs, block)
-    return o[:length]
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state
+    final, o = block_checkpoint_scan(step, init, xs, block)
+    return o[:length] if state is None else (o[:length], final)
 
 
 def doubled_decay(log_alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -157,9 +160,10 @@ def intra_chunk_scores(q: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
 
 
 def gla_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
-                chunk_size: int = 64) -> jax.Array:
+                chunk_size: int = 64, state: jax.Array | None = None) -> Any:
     """GLA, chunkwise-parallel, intra-chunk scores by recursive secondary chunking (overflow-free
-    for any gates <= 0). q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv].
+    for any gates <= 0). q, k, log_alpha: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv]
+    (given `state` S_0: [B, h, dk, dv], (o, S_T)).
 
     A `lax.scan` over chunks carries the state; autodiff keeps one state per chunk."""
     length, batch, heads, dk = q.shape
@@ -174,14 +178,14 @@ def gla_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array,
     k_out = k * jnp.exp(g_last - g)  # writes the chunk's outgoing state
     decay = jnp.exp(g_last[..., 0, :])[..., None]  # [N, B, h, dk, 1]
 
-    def step(state, x):
+    def step(s, x):
         k_c, v_c, decay_c = x
-        return decay_c * state + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), state
+        return decay_c * s + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), s
 
-    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32)
-    _, states_in = jax.lax.scan(step, init, (k_out, v, decay))  # [N, B, h, dk, dv]
-    o = o_intra + mm("nbhck,nbhkv->nbhcv", q_in, states_in, dtype)
-    return from_chunks(o.astype(dtype), length)
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state
+    final, states_in = jax.lax.scan(step, init, (k_out, v, decay))  # [N, B, h, dk, dv]
+    o = from_chunks((o_intra + mm("nbhck,nbhkv->nbhcv", q_in, states_in, dtype)).astype(dtype), length)
+    return o if state is None else (o, final)
 
 
 def scalar_decays(log_alpha: jax.Array, negative: jax.Array | None = None
@@ -208,13 +212,14 @@ def scalar_decays(log_alpha: jax.Array, negative: jax.Array | None = None
 
 
 def ssd_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array, chunk_size: int = 64,
-                negative: jax.Array | None = None) -> jax.Array:
+                negative: jax.Array | None = None, state: jax.Array | None = None) -> Any:
     """GLA with one gate per head (Mamba-2's SSD, chunkwise): S_t = alpha_t S_{t-1} + k_t^T v_t, o_t = q_t S_t.
 
     q, k: [T, B, g, dk] with g = 1 (shared by every head: Mamba-2's C and B, one group) or g = h;
     v: [T, B, h, dv]; log_alpha: [T, B, h] -> o: [T, B, h, dv]; `negative` (bool, like log_alpha; None: all
-    False) marks the gates that are -exp(log_alpha). Per chunk, q k^T is computed once per
-    group; a `lax.scan` over chunks carries the state, and autodiff keeps one state per chunk."""
+    False) marks the gates that are -exp(log_alpha); given `state` S_0: [B, h, dk, dv], returns (o, S_T). Per
+    chunk, q k^T is computed once per group; a `lax.scan` over chunks carries the state, and autodiff keeps one
+    state per chunk."""
     length, batch, heads, dv = v.shape
     dk = q.shape[-1]
     dtype = jnp.result_type(q, k, v)
@@ -228,12 +233,13 @@ def ssd_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array, 
     scores = mm("...id,...jd->...ij", q, k, dtype) * ratio  # [N, B, h, C, C]
     o_intra = mm("...ij,...jv->...iv", scores, v, dtype)
 
-    def step(state, x):
+    def step(s, x):
         k_c, v_c, decay_c = x
-        return decay_c * state + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), state
+        return decay_c * s + mm("bhck,bhcv->bhkv", k_c, v_c, dtype), s
 
-    init = jnp.zeros((batch, heads, dk, dv), F32)
+    init = jnp.zeros((batch, heads, dk, dv), F32) if state is None else state
     k_write = jnp.broadcast_to(k * write, (*write.shape[:-1], dk))  # exp(g_C - g_j) k_j: [N, B, h, C, dk]
-    _, states_in = jax.lax.scan(step, init, (k_write, v, decay))  # [N, B, h, dk, dv]
+    final, states_in = jax.lax.scan(step, init, (k_write, v, decay))  # [N, B, h, dk, dv]
     o = o_intra + mm("nbhck,nbhkv->nbhcv", jnp.broadcast_to(q * read, k_write.shape), states_in, dtype)
-    return from_chunks(o.astype(dtype), length)
+    o = from_chunks(o.astype(dtype), length)
+    return o if state is None else (o, final)

@@ -77,6 +77,9 @@ class LRU(LinearCell):
         y = jnp.real(hs).astype(dtype) @ params["C_re"] - jnp.imag(hs).astype(dtype) @ params["C_im"]
         return y + params["D"] * x
 
+    def state_dtype(self, dtype):
+        return jnp.complex64  # h is complex, its coefficients in float32 whatever model.dtype
+
     def state_floats(self, seq_len):
         return 2 * self.hidden_dim  # complex
 

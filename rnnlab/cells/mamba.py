@@ -32,6 +32,8 @@ run in float32 whatever `model.dtype`, as the reference implementation runs its 
                               array exists in the step (the selective scan of Mamba's CUDA kernel,
                               which keeps h in SRAM, written in JAX). `model.recurrence` is unused.
 
+Every form carries a state (`initial_state`): h and the conv's last K-1 inputs.
+
 Parameters and initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every
 channel (S4D-real: A_log = log n); D_skip = 1; Delta's bias such that softplus(dt_bias) = dt, with dt
 log-uniform in [1e-3, 1e-1]; W_dt uniform in +-R^-1/2; the conv (with its bias), W_x, W_out and the
@@ -50,7 +52,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import a_log_s4d_real_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
+from rnnlab.cells.common import (a_log_s4d_real_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
+                                 torch_linear_init)
 from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
 from rnnlab.options import allowed
@@ -64,19 +67,22 @@ def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
 
 def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax.Array, c_out: jax.Array,
                            a: jax.Array, d_skip: jax.Array, chunk_size: int, unroll: int = 1,
-                           allow_neg_eigval: bool = False) -> jax.Array:
+                           allow_neg_eigval: bool = False, h0: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(h_t C_t + D x'_t) * silu(z_t), with Delta_t = softplus(dt_t) and h_t = exp(Delta_t A) * h_{t-1} +
-    (Delta_t x'_t) B_t, from h = 0: the whole layer between its two maps, one step at a time.
+    (Delta_t x'_t) B_t, from h = `h0` (f32[B, D, N]; None: 0): the whole layer between its two maps, one step
+    at a time; returns it and the h after the last step.
 
     dt (Delta before its softplus, bias added), xs, z: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A,
-    negative); d_skip: f32[D] -> f32[T, B, D]. `allow_neg_eigval`: the decay is 2 exp(Delta_t A) - 1. Chunks of `chunk_size` steps are checkpointed: autodiff stores
-    one h: [B, D, N] per chunk and the inputs, and reruns a chunk's steps (softplus, gate and all) in its
-    backward, so no per-step intermediate of the layer ([T, B, D] each) is stored."""
+    negative); d_skip: f32[D] -> (f32[T, B, D], f32[B, D, N]). `allow_neg_eigval`: the decay is 2 exp(Delta_t A)
+    - 1. Chunks of `chunk_size` steps are checkpointed: autodiff stores one h: [B, D, N] per chunk and the
+    inputs, and reruns a chunk's steps (softplus, gate and all) in its backward, so no per-step intermediate of
+    the layer ([T, B, D] each) is stored."""
     length = dt.shape[0]
     block = max(1, min(chunk_size, length))
     padded = -(-length // block) * block
-    # Padded steps come after the last real one: no real output reads what they do to h.
-    inputs = pad_time([dt, xs, z, b_in, c_out], padded)
+    # Padded steps come after the last real one, with Delta = softplus(-inf) = 0: h passes through them unchanged.
+    dt = jnp.pad(dt, [(0, padded - length), (0, 0), (0, 0)], constant_values=-jnp.inf)
+    inputs = [dt, *pad_time([xs, z, b_in, c_out], padded)]
 
     def step(h, inp):
         dt_t, x_t, z_t, b_t, c_t = inp
@@ -85,9 +91,9 @@ def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax
         y = jnp.sum(h * c_t[:, None, :], axis=-1) + d_skip * x_t  # elementwise, as the other forms' h_t C_t
         return h, y * jax.nn.silu(z_t)
 
-    init = jnp.zeros((*dt.shape[1:], a.shape[-1]), dt.dtype)
-    _, ys = block_checkpoint_scan(step, init, inputs, block, unroll)
-    return ys[:length]
+    init = jnp.zeros((*dt.shape[1:], a.shape[-1]), dt.dtype) if h0 is None else h0
+    h, ys = block_checkpoint_scan(step, init, inputs, block, unroll)
+    return ys[:length], h
 
 
 @register_cell
@@ -143,27 +149,41 @@ class Mamba(SequenceCell):
                 "D": ((d,), jax.nn.initializers.ones),
                 "W_out": ((d, self.hidden_dim), fan_in_uniform(d))}
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
-        """u: [T, B, 2D] -> [T, B, H]."""
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
+        """u: [T, B, 2D] -> [T, B, H], and the state after the last step (None without `state`)."""
         xs, z = jnp.split(u, 2, axis=-1)
+        conv_in, tail = xs, None if state is None else state.get("conv")
         if self.conv_size:  # silu(conv(x)), rerun in the backward rather than storing the conv's [T, B, D] buffers
-            xs = jax.checkpoint(lambda x, w, b: jax.nn.silu(causal_conv(x, w, b)))(xs, params["conv_w"], params["conv_b"])
+            xs = jax.checkpoint(lambda x, w, b, t: jax.nn.silu(causal_conv(x, w, b, t)))(
+                xs, params["conv_w"], params["conv_b"], tail)
         else:
             xs = jax.nn.silu(xs)
         d_low, b_in, c_out = jnp.split(xs @ params["W_x"], [self.rank, self.rank + self.state_size], axis=-1)
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
         dt = f32(d_low @ params["W_dt"]) + f32(params["dt_bias"])  # [T, B, D], Delta before its softplus
+        h0 = None if state is None else state["ssm"]
         if time_scan == "chunked":
-            y = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
-                                       f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval)
-            return y.astype(u.dtype) @ params["W_out"]
-        delta = jax.nn.softplus(dt)
-        a = decay(delta[..., None] * -jnp.exp(f32(params["A_log"])), self.allow_neg_eigval)  # [T, B, D, N]
-        b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
-        hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
-        y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise
-        y = y + f32(params["D"]) * f32(xs)
-        return (y.astype(u.dtype) * jax.nn.silu(z)) @ params["W_out"]
+            y, h = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
+                                          f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval, h0)
+            out = y.astype(u.dtype) @ params["W_out"]
+        else:
+            delta = jax.nn.softplus(dt)
+            a = decay(delta[..., None] * -jnp.exp(f32(params["A_log"])), self.allow_neg_eigval)  # [T, B, D, N]
+            b = (delta * f32(xs))[..., None] * f32(b_in)[:, :, None, :]
+            if h0 is not None:  # h_0 = a_0 h_{-1} + b_0: the state folds into the first step's b
+                b = b.at[0].add(a[0] * h0)
+            hs = (linear_recurrence if recurrence == "custom_vjp" else scan_linear)(a, b, time_scan, unroll)
+            y = jnp.sum(hs * f32(c_out)[:, :, None, :], axis=-1)  # h_t C_t: elementwise
+            y = y + f32(params["D"]) * f32(xs)
+            out, h = (y.astype(u.dtype) * jax.nn.silu(z)) @ params["W_out"], hs[-1]
+        if state is None:
+            return out, None
+        return out, {"ssm": h} | ({"conv": conv_tail(conv_in, self.conv_size, tail)} if self.conv_size else {})
+
+    def initial_state(self, batch, dtype, cache_len=0):
+        """h: f32[B, D, N] (the SSM runs in float32), and the conv's last K-1 inputs [B, K-1, D] in `dtype`."""
+        state = {"ssm": jnp.zeros((batch, self.inner, self.state_size), jnp.float32)}
+        return state | ({"conv": jnp.zeros((batch, self.conv_size - 1, self.inner), dtype)} if self.conv_size else {})
 
     def state_floats(self, seq_len):
         return self.inner * self.state_size  # h: [D, N] (the conv's last K-1 inputs are not counted)

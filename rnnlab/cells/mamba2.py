@@ -16,7 +16,8 @@ In the matrix-state cells' row convention (`rnnlab.cells.gla_forms`), per head S
 with one gate per head: q = C', k = B', v = Delta x', log alpha = Delta A. Forms (`model.time_scan`):
 `sequential` (one step at a time, `gla_forms.gla_recurrent`, autodiff keeps one state per chunk) and
 `chunked` (SSD's chunkwise matmul form, `gla_forms.ssd_chunked`); both run in float32 whatever
-`model.dtype`, as the reference's scan does.
+`model.dtype`, as the reference's scan does. Both carry a state (`initial_state`): S per head and the
+conv's last K-1 inputs.
 
 `model.allow_neg_eigval=true` (Grazzi et al., ICLR 2025, "Unlocking State-Tracking in Linear RNNs Through
 Negative Eigenvalues") makes the decay 2 exp(Delta_t A) - 1, in (-1, 1]: the chunked form works with log
@@ -37,7 +38,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import a_log_uniform_init, causal_conv, dt_bias_init, fan_in_uniform, torch_linear_init
+from rnnlab.cells.common import (a_log_uniform_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
+                                 torch_linear_init)
 from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.registry import SequenceCell, register_cell
@@ -105,12 +107,13 @@ class Mamba2(SequenceCell):
                     f"({self.inner}) or exceed it")
         return None
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
-        """u: [T, B, 2D + 2N + heads] -> [T, B, H]."""
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
+        """u: [T, B, 2D + 2N + heads] -> [T, B, H], and the state after the last step (None without `state`)."""
         d, n, heads = self.inner, self.state_size, self.num_heads
         z, xbc, dt = jnp.split(u, [d, 2 * d + 2 * n], axis=-1)
+        conv_in, tail = xbc, None if state is None else state.get("conv")
         if self.conv_size:
-            xbc = causal_conv(xbc, params["conv_w"], params["conv_b"])
+            xbc = causal_conv(xbc, params["conv_w"], params["conv_b"], tail)
         xs, b_in, c_out = jnp.split(jax.nn.silu(xbc).astype(jnp.float32), [d, d + n], axis=-1)
         delta = jax.nn.softplus(dt.astype(jnp.float32) + params["dt_bias"])  # [T, B, heads]
         log_alpha, negative = delta * -jnp.exp(params["A_log"]), None
@@ -119,17 +122,30 @@ class Mamba2(SequenceCell):
         xs = xs.reshape(*xs.shape[:2], heads, self.head_width)  # [T, B, heads, P]
         v = delta[..., None] * xs
         q, k = c_out[:, :, None, :], b_in[:, :, None, :]  # one group: [T, B, 1, N]
+        s0 = None if state is None else state["ssm"]
         if time_scan == "chunked":
-            y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]), negative)
+            y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]), negative, state=s0)
         else:
             shape = (*v.shape[:3], n)
             per_key = lambda a: None if a is None else jnp.broadcast_to(a[..., None], shape)  # noqa: E731
             y = gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v, per_key(log_alpha),
-                              self.chunk_size, per_key(negative))
+                              self.chunk_size, per_key(negative), state=s0)
+        if state is not None:  # given a state, the forms return (y, S after the last step)
+            y, s = y
         y = (y + params["D"][:, None] * xs).reshape(*u.shape[:2], d)
         y = y * jax.nn.silu(z.astype(jnp.float32))
         y = y * jax.lax.rsqrt(jnp.mean(y * y, axis=-1, keepdims=True) + NORM_EPS) * params["norm"]
-        return y.astype(u.dtype) @ params["W_out"]
+        out = y.astype(u.dtype) @ params["W_out"]
+        if state is None:
+            return out, None
+        return out, {"ssm": s} | ({"conv": conv_tail(conv_in, self.conv_size, tail)} if self.conv_size else {})
+
+    def initial_state(self, batch, dtype, cache_len=0):
+        """S = h^T per head: f32[B, heads, N, P] (gla_forms' row convention; the SSM runs in float32), and the
+        conv's last K-1 inputs [B, K-1, D + 2N] (x, B, C) in `dtype`."""
+        state = {"ssm": jnp.zeros((batch, self.num_heads, self.state_size, self.head_width), jnp.float32)}
+        width = self.inner + 2 * self.state_size
+        return state | ({"conv": jnp.zeros((batch, self.conv_size - 1, width), dtype)} if self.conv_size else {})
 
     def state_floats(self, seq_len):
         return self.inner * self.state_size  # h: [heads, P, N] (the conv's last K-1 inputs are not counted)

@@ -14,6 +14,9 @@ reads with q. Around it, as the papers' layers have it (flash-linear-attention's
 
 `model.chunk_size` is the chunk of the chunkwise-parallel form (`model.time_scan=chunked`) and the
 block the sequential form checkpoints its state at (autodiff keeps one state per block, not one per step).
+
+A layer's state (`initial_state`): {S: float32 [B, heads, dk, dv], conv: the convolution's last K-1 inputs
+[B, K-1, qkv_width] (with a convolution)}; every form starts from S and returns it after the last step.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, uniform
+from rnnlab.cells.common import causal_conv, conv_tail, uniform
 from rnnlab.cells.registry import SequenceCell
 from rnnlab.options import allowed
 
@@ -43,6 +46,11 @@ def rms_norm(o: jax.Array, w: jax.Array) -> jax.Array:
     """RMSNorm over the last axis, in float32, with weight w."""
     o32 = o.astype(jnp.float32)
     return (o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + NORM_EPS) * w).astype(o.dtype)
+
+
+def with_state(out, state):
+    """A form's result (o, or (o, S) given a `state`) -> (o, S or None): `mix_heads`'s."""
+    return (out, None) if state is None else out
 
 
 def l2_normalize(x: jax.Array) -> jax.Array:
@@ -99,24 +107,39 @@ class MatrixCell(SequenceCell):
     def input_init(self):
         return nn.initializers.lecun_normal()
 
-    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence):
-        """q, k, v: [T, B, heads, d] after the convolution; extra: [T, B, extra_width] -> o [T, B, heads, d]."""
+    def mix_heads(self, params, q, k, v, extra, time_scan, unroll, recurrence, state):
+        """q, k, v: [T, B, heads, d] after the convolution; extra: [T, B, extra_width]; state: S_0 float32
+        [B, heads, dk, dv] or None (zeros) -> (o [T, B, heads, d], S after the last step, or None without a state)."""
         raise NotImplementedError
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
         h, width = self.hidden_dim, self.qkv_width()
         qkv, extra = u[..., :width], u[..., width:]
+        after = {}
         if self.conv_size:
-            qkv = jax.nn.silu(causal_conv(qkv, params["conv"].astype(qkv.dtype)))
+            tail = None if state is None else state["conv"]
+            if state is not None:
+                after["conv"] = conv_tail(qkv, self.conv_size, tail)
+            qkv = jax.nn.silu(causal_conv(qkv, params["conv"].astype(qkv.dtype), tail=tail))
         q, k, v = self.split_qkv(qkv)
         gate = None
         if self.output_gate:
             extra, gate = extra[..., :-h], extra[..., -h:]
-        o = rms_norm(self.mix_heads(params, q, k, v, extra, time_scan, unroll, recurrence), params["norm"])
+        o, after["S"] = self.mix_heads(params, q, k, v, extra, time_scan, unroll, recurrence,
+                                       None if state is None else state["S"])
+        o = rms_norm(o, params["norm"])
         o = o.reshape(*o.shape[:2], h)
         if gate is not None:
             o = o * jax.nn.silu(gate)
-        return o @ params["W_o"]
+        return o @ params["W_o"], None if state is None else after
+
+    def initial_state(self, batch, dtype, cache_len=0):
+        """S: zeros float32 [B, heads, dk, dv]; with the convolution, conv: its last K-1 inputs [B, K-1, qkv_width]
+        in `dtype`."""
+        state = {"S": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32)}
+        if self.conv_size:
+            state["conv"] = jnp.zeros((batch, self.conv_size - 1, self.qkv_width()), dtype)
+        return state
 
     def mixing_flops(self, seq_len, time_scan):
         return 2 * self.hidden_dim * self.hidden_dim * seq_len + self.recurrence_flops(seq_len, time_scan)

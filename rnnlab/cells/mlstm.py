@@ -13,7 +13,9 @@ d = D / `model.num_heads`, per-head matrix memory C: [d, d] (`rnnlab.cells.mlstm
 The xLSTM's mLSTM block is x + layer(LayerNorm(x)) with no MLP after it (conf/model/mlstm.yaml:
 `block: residual`, `mlp: none`; rnnlab's pre-norm is an RMSNorm). Forms (`model.time_scan`): `parallel`
 (the stabilised [T, T] form), `chunked` (chunkwise, memory linear in T) and `sequential` (one step at a
-time, the state checkpointed once per `model.chunk_size` steps), all by autodiff.
+time, the state checkpointed once per `model.chunk_size` steps), all by autodiff. Each carries a state
+(`initial_state`: C, n, m and the conv's last inputs); `parallel` given one runs as one chunk of the
+chunkwise form, which adds the state's read to the [T, T] scores (`rnnlab.cells.mlstm_forms`).
 
 Initialisation as the reference's (`mLSTMLayer.reset_parameters`, `mLSTMCell.reset_parameters`), with
 `model.init=default`: W_xh and W_q, W_k, W_v small-init N(0, 2 / (5 H)); W_o Wang's N(0, (2 / (L sqrt(H)))^2),
@@ -31,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, fan_in_uniform
+from rnnlab.cells.common import causal_conv, conv_tail, fan_in_uniform
 from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.mlstm_forms import mlstm_chunked, mlstm_parallel, mlstm_recurrent
@@ -121,12 +123,25 @@ class MLSTM(SequenceCell):
         blocks = x.reshape(*x.shape[:-1], *w.shape[:2])
         return jnp.einsum("tbnd,ndo->tbno", blocks, w).reshape(x.shape)
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
-        """u: [T, B, 2D] -> [T, B, H] by the form `time_scan`; `unroll` and `recurrence` are unused."""
+    def initial_state(self, batch, dtype, cache_len=0):
+        """{C: [B, heads, d, d], n: [B, heads, d], m: [B, heads]} float32 zeros (the forms' m_0 = 0), and with
+        the conv its input's last K-1 steps, conv: [B, K-1, D] in `dtype`."""
+        heads, d = self.num_heads, self.head_dim
+        state = {"C": jnp.zeros((batch, heads, d, d), F32), "n": jnp.zeros((batch, heads, d), F32),
+                 "m": jnp.zeros((batch, heads), F32)}
+        if self.conv_size:
+            state["conv"] = jnp.zeros((batch, self.conv_size - 1, self.inner), dtype)
+        return state
+
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
+        """u: [T, B, 2D] -> [T, B, H] by the form `time_scan`, from `state` (None: zeros, and no state
+        returned); `unroll` and `recurrence` are unused."""
         length, batch, _ = u.shape
         d, heads = self.inner, self.num_heads
         x_m, z = u[..., :d], u[..., d:]
-        c = causal_conv(x_m, params["conv_w"], params["conv_b"]) if self.conv_size else x_m
+        tail = None if state is None else state.get("conv")
+        carried = None if state is None else (state["C"], state["n"], state["m"])
+        c = causal_conv(x_m, params["conv_w"], params["conv_b"], tail) if self.conv_size else x_m
         c = jax.nn.silu(c)
         q, k, v = self.headwise(c, params["W_q"]), self.headwise(c, params["W_k"]), self.headwise(x_m, params["W_v"])
         qkv = jnp.concatenate([q, k, v], axis=-1)
@@ -134,17 +149,23 @@ class MLSTM(SequenceCell):
         log_f = jax.nn.log_sigmoid(mm("tbc,ch->tbh", qkv, params["W_f"], qkv.dtype) + params["b_f"].astype(F32))
         q, k, v = (a.reshape(length, batch, heads, self.head_dim) for a in (q, k, v))
         if time_scan == "parallel":
-            h = mlstm_parallel(q, k, v, log_i, log_f)
+            h = mlstm_parallel(q, k, v, log_i, log_f, state=carried)
         elif time_scan == "chunked":
-            h = mlstm_chunked(q, k, v, log_i, log_f, min(self.chunk_size, length))
+            h = mlstm_chunked(q, k, v, log_i, log_f, min(self.chunk_size, length), state=carried)
         else:
-            h = mlstm_recurrent(q, k, v, log_i, log_f, self.chunk_size)
+            h = mlstm_recurrent(q, k, v, log_i, log_f, self.chunk_size, state=carried)
+        after = None
+        if state is not None:
+            h, (c_mem, n, m) = h
+            after = {"C": c_mem, "n": n, "m": m}
+            if self.conv_size:
+                after["conv"] = conv_tail(x_m, self.conv_size, tail)
         h = h.astype(F32)  # the per-head LayerNorm, in float32
         mean = jnp.mean(h, axis=-1, keepdims=True)
         h = (h - mean) * jax.lax.rsqrt(jnp.var(h, axis=-1, keepdims=True) + NORM_EPS)
         h = h.reshape(length, batch, d) * params["norm"].astype(F32)
         y = (h.astype(u.dtype) + params["skip"] * c) * jax.nn.silu(z)
-        return y @ params["W_o"]
+        return y @ params["W_o"], after
 
     def state_floats(self, seq_len):
         d = self.head_dim

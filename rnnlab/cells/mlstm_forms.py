@@ -38,6 +38,13 @@ and each step of a chunk reads the state it came in with and the chunk's own ste
 
 Every exponent is <= 0. Memory is linear in T: one (C, n, m) per chunk and [L, L] scores per chunk.
 
+State: every form takes an optional `state`, the scaled (C, n, m) before the first step (float32 [B, h, dk, dv],
+[B, h, dk], [B, h]; zeros are the zero state, m_0 = 0 as above), and then returns (h, the state after the last
+step). The recurrent and chunked forms start their scan from it; their padded steps get i~ = -inf (no write,
+m unchanged), so the state leaves the last block as it left the last real step. The parallel form given a
+state is the chunkwise form with one chunk of T steps: its [T, T] scores plus the state's read, m_t counting
+the incoming term b_t + m.
+
 Arrays are time-major: q, k: [T, B, h, dk], v: [T, B, h, dv], log_i (= i~) and log_f (= log sigmoid f~):
 [T, B, h]; outputs [T, B, h, dv] in v's dtype. mlstm-kernels' are batch-major per head, q: [B, h, T, dk] and
 the gates [B, h, T], and take f~ itself (they apply log sigmoid): ours(q, k, v, i, log_sigmoid(f)) reads
@@ -62,6 +69,7 @@ from rnnlab.cells.gla_forms import (
 )
 
 EPS = 1e-6  # added to the normaliser, as mlstm-kernels' native forms
+State = tuple[jax.Array, jax.Array, jax.Array]  # the scaled (C, n, m), float32 [B, h, dk, dv], [B, h, dk], [B, h]
 
 
 def _causal_log_decays(log_f: jax.Array, log_i: jax.Array) -> jax.Array:
@@ -73,15 +81,31 @@ def _causal_log_decays(log_f: jax.Array, log_i: jax.Array) -> jax.Array:
     return jnp.where(causal, b[..., :, None] - b[..., None, :] + log_i[..., None, :], -jnp.inf)
 
 
+def _initial(state: State | None, batch: int, heads: int, dk: int, dv: int) -> State:
+    """The scan's initial (C, n, m): `state` in float32, or zeros."""
+    if state is not None:
+        return tuple(a.astype(F32) for a in state)
+    return jnp.zeros((batch, heads, dk, dv), F32), jnp.zeros((batch, heads, dk), F32), jnp.zeros((batch, heads), F32)
+
+
+def _pad_no_write(log_i: jax.Array, length: int) -> jax.Array:
+    """log_i [T, ...] padded to `length` steps with -inf: padded steps write nothing and leave m as it is."""
+    return jnp.pad(log_i.astype(F32), [(0, length - log_i.shape[0])] + [(0, 0)] * (log_i.ndim - 1),
+                   constant_values=-jnp.inf)
+
+
 def _normalise(numerator: jax.Array, denominator: jax.Array, m: jax.Array, eps: float) -> jax.Array:
     """numerator [..., dv] / (max(|denominator|, exp(-m)) + eps), denominator and m [...]."""
     return numerator / (jnp.maximum(jnp.abs(denominator), jnp.exp(-m)) + eps)[..., None]
 
 
 def mlstm_parallel(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, log_f: jax.Array,
-                   eps: float = EPS) -> jax.Array:
+                   eps: float = EPS, state: State | None = None) -> jax.Array | tuple[jax.Array, State]:
     """The stabilised quadratic form (`mlstm_kernels.torch.parallel.native`). q, k: [T, B, h, dk];
-    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv]. Memory grows as T^2."""
+    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv]. Memory grows as T^2.
+    Given a `state`: the chunkwise form in one chunk (module docstring) -> (h, the state after)."""
+    if state is not None:
+        return mlstm_chunked(q, k, v, log_i, log_f, q.shape[0], eps, state)
     dtype = jnp.result_type(q, k, v)
     gates = [jnp.moveaxis(a.astype(F32), 0, -1) for a in (log_f, log_i)]  # [B, h, T]
     log_d = _causal_log_decays(*gates)
@@ -92,15 +116,18 @@ def mlstm_parallel(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, l
 
 
 def mlstm_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, log_f: jax.Array,
-                  chunk_size: int = 64, eps: float = EPS) -> jax.Array:
+                  chunk_size: int = 64, eps: float = EPS, state: State | None = None
+                  ) -> jax.Array | tuple[jax.Array, State]:
     """The chunkwise form (`mlstm_kernels.torch.chunkwise.native`, module docstring). q, k: [T, B, h, dk];
-    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv].
+    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv]; given a `state`, (h, the state after).
 
     A `lax.scan` over chunks carries (C, n, m); autodiff keeps one of each per chunk."""
     length, batch, heads, dk = q.shape
     dv = v.shape[-1]
     dtype = jnp.result_type(q, k, v)
     padded = -(-length // chunk_size) * chunk_size
+    if state is not None:
+        log_i = _pad_no_write(log_i, padded)
     # Padded steps (at the end) come after every real output: zeros, which no real output reads.
     q, k, v, log_i, log_f = (to_chunks(x, chunk_size) for x in pad_time([q, k, v, log_i, log_f], padded))
     log_i, log_f = log_i.astype(F32), log_f.astype(F32)  # [N, B, h, L]
@@ -117,8 +144,8 @@ def mlstm_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, lo
         c_next = keep[..., None, None] * c + mm("bhlk,bhlv->bhkv", k_gated, v_c, dtype)
         return (c_next, keep[..., None] * n + jnp.sum(k_gated, axis=-2), m_next), (c, n, m)
 
-    init = (jnp.zeros((batch, heads, dk, dv), F32), jnp.zeros((batch, heads, dk), F32), jnp.zeros((batch, heads), F32))
-    _, (c_in, n_in, m_in) = jax.lax.scan(step, init, (k, v, a, b_last))  # [N, B, h, ...]: entering each chunk
+    init = _initial(state, batch, heads, dk, dv)
+    final, (c_in, n_in, m_in) = jax.lax.scan(step, init, (k, v, a, b_last))  # [N, B, h, ...]: entering each chunk
 
     log_d = _causal_log_decays(log_f, log_i)  # [N, B, h, L, L]
     m_inter = b + m_in[..., None]
@@ -128,13 +155,15 @@ def mlstm_chunked(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, lo
     q_in = q * (jnp.exp(m_inter - m_comb) * scale)[..., None]  # reads the incoming state
     numerator = mm("nbhlk,nbhkv->nbhlv", q_in, c_in, dtype) + mm("...ij,...jv->...iv", scores, v, dtype)
     denominator = mm("nbhlk,nbhk->nbhl", q_in, n_in, dtype) + jnp.sum(scores, axis=-1)
-    return from_chunks(_normalise(numerator, denominator, m_comb, eps).astype(v.dtype), length)
+    h = from_chunks(_normalise(numerator, denominator, m_comb, eps).astype(v.dtype), length)
+    return h if state is None else (h, final)
 
 
 def mlstm_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, log_f: jax.Array,
-                    checkpoint_every: int = 64, eps: float = EPS) -> jax.Array:
+                    checkpoint_every: int = 64, eps: float = EPS, state: State | None = None
+                    ) -> jax.Array | tuple[jax.Array, State]:
     """One step at a time (`mlstm_kernels.torch.recurrent.native_sequence`). q, k: [T, B, h, dk];
-    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv].
+    v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv]; given a `state`, (h, the state after).
 
     Autodiff stores (C, n, m) once per `checkpoint_every` steps (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
@@ -142,6 +171,8 @@ def mlstm_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, 
     dtype = jnp.result_type(q, k, v)
     block = max(1, min(checkpoint_every, length))
     padded = -(-length // block) * block
+    if state is not None:
+        log_i = _pad_no_write(log_i, padded)
     # Padded steps (at the end) come after every real output: zeros, which no real output reads.
     xs = pad_time([q, k, v, log_i, log_f], padded)
     scale = 1 / math.sqrt(dk)
@@ -159,6 +190,5 @@ def mlstm_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, 
         h = _normalise(mm("bhk,bhkv->bhv", q_t, c, dtype), mm("bhk,bhk->bh", q_t, n, dtype), m_new, eps)
         return (c, n, m_new), h.astype(v.dtype)
 
-    init = (jnp.zeros((batch, heads, dk, dv), F32), jnp.zeros((batch, heads, dk), F32), jnp.zeros((batch, heads), F32))
-    _, h = block_checkpoint_scan(step, init, xs, block)
-    return h[:length]
+    final, h = block_checkpoint_scan(step, _initial(state, batch, heads, dk, dv), xs, block)
+    return h[:length] if state is None else (h[:length], final)

@@ -33,6 +33,7 @@ from rnnlab.registry import Registry
 Initializer = Callable[..., jax.Array]
 Params = dict[str, jax.Array]  # a cell's recurrent parameters by name, as `param_specs` declares them
 Carry = Any  # a pytree of [B, ...] arrays
+State = Any  # a pytree of [B, ...] arrays: what a layer of the cell carries from one segment of a sequence to the next
 
 
 def _uniform(scale: float) -> Initializer:
@@ -145,18 +146,18 @@ class Cell:
             return cls.default_time_scan
         return next((form for form in DEFAULT_FORMS if form in cls.time_scans), cls.time_scans[0])
 
-    def resolve_time_scan(self, time_scan: str, seq_len: int) -> str:
+    def resolve_time_scan(self, time_scan: str, seq_len: int, stateful: bool = False) -> str:
         """The form a layer runs for `time_scan` on sequences of `seq_len` steps: `auto` resolved by `auto_forms`
-        (the forms are equal in value, so the choice is only about speed), any other form as it is."""
+        (the forms are equal in value, so the choice is only about speed), any other form as it is. `stateful`:
+        a state is carried, so `auto` picks among the forms that carry one (`state_forms`)."""
         if time_scan != "auto":
             return time_scan
-        for longest, form in self.auto_forms:
-            if seq_len <= longest:
-                return form
-        if self.long_form is not None:
-            return self.long_form
-        form = self.default_form()
-        return form if form != "auto" else self.time_scans[0]
+        form = next((form for longest, form in self.auto_forms if seq_len <= longest), None)
+        form = form or self.long_form or self.default_form()
+        form = form if form != "auto" else self.time_scans[0]
+        if stateful and not self.carries_state(form):
+            form = next(f for f in (self.long_form, *self.time_scans) if f is not None and self.carries_state(f))
+        return form
 
     @property
     def input_width(self) -> int:
@@ -184,6 +185,20 @@ class Cell:
     def initial_carry(self, like: jax.Array) -> Carry:
         """Zeros of [B, H] with the dtype (and, under shard_map, the device variance) of `like`: [B, ...]."""
         return jnp.zeros_like(like, shape=(like.shape[0], self.hidden_dim))
+
+    # The forms that carry a state in and out (`mix_state`); `model.time_scan=auto` picks among them when a
+    # state is carried. None: every form in `time_scans`.
+    state_forms: ClassVar[tuple[str, ...] | None] = None
+
+    def carries_state(self, time_scan: str) -> bool:
+        """Whether the form `time_scan` takes an initial state and returns its final state."""
+        return time_scan == "auto" or time_scan in (self.state_forms or self.time_scans)
+
+    def initial_state(self, batch: int, dtype: Any, cache_len: int = 0) -> State:
+        """The state of one layer before the first step, for `batch` examples in the compute `dtype`: zeros
+        (a step cell's carry). `cache_len`: the steps a cache that grows with the sequence (attention's) must
+        hold; a recurrence's state does not depend on it."""
+        return self.initial_carry(jnp.zeros((batch, 1), dtype))
 
     def step(self, params: Params, carry: Carry, u: jax.Array) -> tuple[Carry, jax.Array, Any]:
         """(params, carry, u_t: [B, G*H]) -> (carry, h_t: [B, H], saved_t).
@@ -258,7 +273,18 @@ class SequenceCell(Cell):
     def mix(self, params: Params, u: jax.Array, x: jax.Array, time_scan: str, unroll: int,
             recurrence: str) -> jax.Array:
         """(params, u = x W_xh + b: [T, B, W], x: the layer input [T, B, I]) -> the layer's output
-        [T, B, H] (real), by the form `time_scan`; `recurrence` is the layer's `model.recurrence`."""
+        [T, B, H] (real), by the form `time_scan`; `recurrence` is the layer's `model.recurrence`.
+        From a zero state, the final state dropped (training): `mix_state` with no state."""
+        return self.mix_state(params, u, x, time_scan, unroll, recurrence, None)[0]
+
+    def mix_state(self, params: Params, u: jax.Array, x: jax.Array, time_scan: str, unroll: int, recurrence: str,
+                  state: State | None) -> tuple[jax.Array, State]:
+        """`mix` from `state` (as `initial_state` builds it; None: zeros, and the final state may be None)
+        -> (output [T, B, H], the state after the last step). A sequence cut into segments, each run from the
+        state the one before returned, gives the outputs of the whole sequence."""
+        raise NotImplementedError
+
+    def initial_state(self, batch, dtype, cache_len=0):
         raise NotImplementedError
 
     @property
@@ -283,13 +309,23 @@ class LinearCell(SequenceCell):
     default_recurrence: ClassVar[str] = "custom_vjp"
     default_time_scan: ClassVar[str | None] = "sequential"
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
         a, b = self.coefficients(params, u, x)
+        if state is not None:  # h_0 = a_0 h_{-1} + b_0: the state folds into the first step's b
+            b = b.at[0].add(a[0] * state.astype(b.dtype))
         if recurrence == "custom_vjp":
             hs = linear_recurrence(a, b, time_scan, unroll)
         else:
             hs = scan_linear(a, b, time_scan, unroll)
-        return self.output(params, hs, x)
+        return self.output(params, hs, x), hs[-1]
+
+    def initial_state(self, batch, dtype, cache_len=0):
+        """h: zeros [B, H] in the dtype of the recurrence (`state_dtype`)."""
+        return jnp.zeros((batch, self.hidden_dim), self.state_dtype(dtype))
+
+    def state_dtype(self, dtype: Any) -> Any:
+        """The dtype of h for the compute `dtype` (a complex recurrence's is complex)."""
+        return dtype
 
     def coefficients(self, params: Params, u: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(params, u = x W_xh + b: [T, B, G*H], x: the layer input [T, B, I]) -> (a, b): [T, B, H] each."""

@@ -20,7 +20,8 @@ reflection parity needs. Without the switch its least eigenvalue is exp(-exp(-1/
 scales the replacement key (k <- k (1 + (a - 1) k_a)), as there.
 
 The transition is diagonal plus rank one, so there is no cheap associative form: `sequential` runs it one
-step at a time (`dplr_recurrent`), `chunked` is the chunkwise WY form (`dplr_chunked`).
+step at a time (`dplr_recurrent`), `chunked` is the chunkwise WY form (`dplr_chunked`). Both carry a state
+(`initial_state`): S per head and the token shift's last input.
 
 The cell reads the layer input itself (the token shift needs x), so its input term is empty (`input_width`
 0): all its projections are its own parameters. Left out: RWKV-7's value residual (v lerped towards the
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rnnlab.cells.common import shift_in
 from rnnlab.cells.dplr_forms import dplr_chunked, dplr_flops, dplr_recompute_flops, dplr_recurrent
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
 from rnnlab.options import allowed
@@ -138,10 +140,15 @@ class RWKV7(SequenceCell):
         """[T, B, H] -> [T, B, heads, d]."""
         return y.reshape(*y.shape[:2], self.num_heads, self.head_dim)
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
+    def initial_state(self, batch, dtype, cache_len=0):
+        """{S: [B, heads, d, d] float32, x: the token shift's last input x_{t-1} [B, H] in `dtype`}, zeros."""
+        return {"S": jnp.zeros((batch, self.num_heads, self.head_dim, self.head_dim), jnp.float32),
+                "x": jnp.zeros((batch, self.hidden_dim), dtype)}
+
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
         p = params
         f32 = jnp.float32
-        delta = shift_back(x) - x
+        delta = (shift_back(x) if state is None else shift_in(x, state["x"])) - x
         lerp = {name: x + delta * p[name] for name in LERPS}
         r, k, v = (lerp[f"x_{c}"] @ p[f"W_{c}"] for c in "rkv")
         log_w = LOG_W_MIN * jax.nn.sigmoid((jnp.tanh(lerp["x_w"] @ p["w_1"]) @ p["w_2"] + p["w_0"]).astype(f32))
@@ -155,10 +162,15 @@ class RWKV7(SequenceCell):
         k = (k * (1 + (a - 1) * p["k_a"])).astype(x.dtype)
         r, k, v, a, log_w = (self.split_heads(y) for y in (r, k, v, a, log_w))
         removal = kk * a * jnp.exp(log_w) if self.allow_neg_eigval else kk * a  # diag(w) (I - (kk a)^T kk)
+        carried = None if state is None else state["S"]
         if time_scan == "chunked":
-            o = dplr_chunked(r, k, v, -kk, removal, log_w, min(self.chunk_size, x.shape[0]))
+            o = dplr_chunked(r, k, v, -kk, removal, log_w, min(self.chunk_size, x.shape[0]), state=carried)
         else:
-            o = dplr_recurrent(r, k, v, -kk, removal, log_w, self.chunk_size)
+            o = dplr_recurrent(r, k, v, -kk, removal, log_w, self.chunk_size, state=carried)
+        after = None
+        if state is not None:
+            o, s = o
+            after = {"S": s, "x": x[-1]}
         o32 = o.astype(f32)
         mean = jnp.mean(o32, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(o32 - mean), axis=-1, keepdims=True)
@@ -166,7 +178,7 @@ class RWKV7(SequenceCell):
         o = o * p["norm"] + p["norm_bias"]
         bonus = jnp.sum((r * k * p["r_k"]).astype(f32), axis=-1, keepdims=True) * v
         o = (o + bonus.reshape(o.shape)) * g
-        return o.astype(x.dtype) @ p["W_o"]
+        return o.astype(x.dtype) @ p["W_o"], after
 
     def mixing_flops(self, seq_len, time_scan):
         h, d = self.hidden_dim, self.head_dim

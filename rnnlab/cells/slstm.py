@@ -15,7 +15,8 @@ and App. A; the authors' `xlstm` package: `blocks/slstm/{layer,cell}.py`, `src/v
 Carry (c, n, m, h): [B, H] each. h_t is invariant to the stabiliser (c_t and n_t both carry exp(-m_t)),
 so the hand-written `backward` treats m as a constant; n_t >= 1 from the first step on. The recurrence
 is `step` (scanned by `rnnlab.recurrence`); the convolution, W_if and the group norm around it are this
-`SequenceCell`'s `mix`, the one hook that sees the whole sequence and the layer input.
+`SequenceCell`'s `mix`, the one hook that sees the whole sequence and the layer input. Its state
+(`initial_state`) is the carry and the convolution's last K-1 inputs.
 
 Layouts: the step's input term a, the bias b and the recurrent kernel W_hh: [K, d, 4d] are head-major,
 each head's 4d columns gates i, f, z, o of d units (the reference's bias [K, 4, d] and kernel
@@ -37,7 +38,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab.cells.common import causal_conv, fan_in_uniform
+from rnnlab.cells.common import causal_conv, conv_tail, fan_in_uniform
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
 from rnnlab.options import allowed
 from rnnlab.recurrence import linear, scan, scan_cell
@@ -179,20 +180,39 @@ class SLSTM(SequenceCell):
         dw = jnp.einsum("nkd,nke->kde", hs.reshape(-1, k, d), da_next.reshape(-1, k, 4 * d))
         return da, {"W_hh": dw}
 
-    def mix(self, params, u, x, time_scan, unroll, recurrence):
+    def initial_state(self, batch, dtype, cache_len=0):
+        """{carry: (c, n, m, h) [B, H] each as `initial_carry` (m = -inf), conv: the conv's last K-1 inputs
+        [B, K-1, H] (with the conv)}, in `dtype`."""
+        state = {"carry": self.initial_carry(jnp.zeros((batch, 1), dtype))}
         if self.conv_size:
-            xc = jax.nn.silu(causal_conv(x, params["conv"].astype(x.dtype), params["conv_bias"].astype(x.dtype)))
+            state["conv"] = jnp.zeros((batch, self.conv_size - 1, self.hidden_dim), dtype)
+        return state
+
+    def mix_state(self, params, u, x, time_scan, unroll, recurrence, state):
+        """Given a `state`: the conv from its tail, and `step` scanned from its carry, by autodiff for every
+        `recurrence` (`rnnlab.recurrence`'s scans start from zeros)."""
+        tail = None if state is None else state.get("conv")
+        if self.conv_size:
+            xc = jax.nn.silu(causal_conv(x, params["conv"].astype(x.dtype), params["conv_bias"].astype(x.dtype), tail))
             i, f = jnp.split(linear(xc, params["W_if"]), 2, axis=-1)
             z, o = jnp.split(u, 2, axis=-1)
         else:
             i, f, z, o = jnp.split(u, 4, axis=-1)
         pre = self._heads(i, f, z, o)
         cell_params = {"W_hh": params["W_hh"]}
+        if state is not None:
+            def step(carry, u_t):
+                carry, h, _ = self.step(cell_params, carry, u_t + params["b"])
+                return carry, h
+
+            carry, hs = jax.lax.scan(step, state["carry"], pre, unroll=unroll)
+            after = {"carry": carry} | ({"conv": conv_tail(x, self.conv_size, tail)} if self.conv_size else {})
+            return group_norm(hs, params["norm"], self.num_heads), after
         if recurrence == "custom_vjp":
             hs = custom_recurrence(self, unroll, pre, params["b"], cell_params)
         else:
             hs = scan_cell(self, cell_params, pre, params["b"], unroll)[0]
-        return group_norm(hs, params["norm"], self.num_heads)
+        return group_norm(hs, params["norm"], self.num_heads), None
 
     def recurrent_flops(self):
         return 2 * self.hidden_dim * 4 * self.head_dim  # h R, block-diagonal: 2 H 4H / K

@@ -127,6 +127,29 @@ class ModularArithmeticTask(Task):
         targets = jnp.where(steps == end - 1, values[(end - 1) // 2], IGNORE)
         return jnp.where(steps < end, tokens, self.padding_id).astype(jnp.int32), targets
 
+    def initial_carry(self):
+        """[u, v, w, z, the token before the segment]: the identity map of (S, P) and no token."""
+        return jnp.array([0, 0, 1, 0, 0], jnp.int32)
+
+    def sample_segment(self, key, carry, start, length):
+        """carry: the composed map of the pairs before `start` (`compose`) and the token before it."""
+        m, steps = self.modulus, start + jnp.arange(length)
+        residue = steps % 2 == 0
+        draws = jax.vmap(lambda i, n: jax.random.randint(jax.random.fold_in(key, i), (), 0, n))(
+            steps, jnp.where(residue, m, 3))
+        tokens = jnp.where(residue, draws, m + draws)
+        ops = jnp.where(steps == 0, PLUS, jnp.concatenate([carry[4:], tokens[:-1]]) - m)  # a residue's operator
+        adds = ops != TIMES
+        signed = jnp.where(ops == MINUS, -tokens, tokens) % m
+        zero = jnp.zeros_like(tokens)
+        maps = (jnp.where(residue, adds, 0), zero, jnp.where(residue, jnp.where(adds, 0, tokens), 1),
+                jnp.where(residue & adds, signed, 0))  # an operator's step: the identity
+        mod = lambda a, b: tuple(x % m for x in compose(a, b))  # noqa: E731
+        prefix = jax.lax.associative_scan(mod, maps)
+        u, v, w, z = mod(tuple(carry[i] for i in range(4)), prefix)
+        targets = jnp.where(steps == self.total_len - 1, (v + z) % m, IGNORE)
+        return tokens.astype(jnp.int32), targets, jnp.stack([u[-1], v[-1], w[-1], z[-1], tokens[-1]]).astype(jnp.int32)
+
     def symbol_names(self):
         return {self.modulus + PLUS: "+", self.modulus + MINUS: "-", self.modulus + TIMES: "*"}
 

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from rnnlab.tasks.registry import OptionError, Task, make_task
 
 # DataConfig's own keys that a data file may leave out, so that an extension's needs only `task` and `seq_len`.
-OPTIONAL_DATA_KEYS: Mapping[str, Any] = {"min_seq_len": None, "eval_seq_lens": ()}
+OPTIONAL_DATA_KEYS: Mapping[str, Any] = {"min_seq_len": None, "eval_seq_lens": (), "eval_segment_len": None}
 
 
 def option_fields(task_class: type[Task]) -> dict[str, tuple[Any, Any]]:
@@ -46,3 +46,9 @@ def check_data(data: Any) -> None:
     if any(n < shortest for n in lengths) or len(set(lengths)) < len(lengths):
         raise OptionError(f"key 'data.eval_seq_lens': got {lengths}, allowed: a list of distinct lengths, "
                           f"each >= {shortest} (the {data.task} task's minimum)")
+    segment = data.eval_segment_len
+    if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
+        raise OptionError(f"key 'data.eval_segment_len': got {segment!r}, allowed: null or a length >= 1")
+    if segment is not None and not task.segmentable():
+        raise OptionError(f"key 'data.eval_segment_len': got {segment}, but the {data.task} task is not evaluated in "
+                          f"segments (it has no sample_segment); allowed: null")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from rnnlab.tasks.registry import IGNORE, Task, masked_cross_entropy, per_position_uniform, register_task
@@ -41,6 +42,13 @@ class ParityTask(Task):
         inputs = jnp.where(valid, bits, self.padding_id)
         targets = jnp.where(steps == length - 1, bits.sum() % 2, IGNORE)
         return inputs, targets
+
+    def sample_segment(self, key, carry, start, length):
+        """carry: the parity of the ones before `start`."""
+        steps = start + jnp.arange(length)
+        bits = (jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(steps) < 0.5).astype(jnp.int32)
+        parity = (carry + jnp.cumsum(bits)) % 2
+        return bits, jnp.where(steps == self.seq_len - 1, parity, IGNORE), parity[-1]
 
     def loss_and_metrics(self, outputs, targets):
         """outputs: f32[B, T, 2] logits, targets: int32[B, T] -> (cross-entropy at the last step, {accuracy})."""

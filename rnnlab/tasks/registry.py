@@ -113,6 +113,40 @@ class Task:
         per-device mean averaged over devices is the mean over the global batch."""
         raise NotImplementedError
 
+    def sample_segment(self, key: jax.Array, carry: jax.Array, start: jax.Array, length: int
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Steps `start` .. `start` + `length` - 1 of the example `sample_one(key)` draws (int32[] `start`,
+        traced; `length` static), given `carry`, what the targets after `start` need of the steps before it
+        (`initial_carry()` at 0) -> (inputs, targets, the carry after the segment). Defining it declares that
+        the task is evaluated in segments (`data.eval_segment_len`): any length, in memory that does not grow
+        with it. Its targets must be scored by `segment_totals`."""
+        raise NotImplementedError
+
+    def initial_carry(self) -> jax.Array:
+        """`sample_segment`'s carry before the first step."""
+        return jnp.int32(0)
+
+    @classmethod
+    def segmentable(cls) -> bool:
+        """Whether the task is evaluated in segments (`sample_segment`)."""
+        return cls.sample_segment is not Task.sample_segment
+
+    def segment_totals(self, outputs: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+        """Per-example sums over one segment's scored steps (outputs f32[B, T, C] logits, targets int32[B, T],
+        IGNORE where not scored) -> {loss, scored, right}: f32[B] each; segments add up."""
+        scored = targets != IGNORE
+        labels = jnp.where(scored, targets, 0)
+        losses = jnp.where(scored, optax.softmax_cross_entropy_with_integer_labels(outputs, labels), 0.0)
+        right = scored & (outputs.argmax(-1) == labels)
+        return {"loss": losses.sum(-1), "scored": scored.sum(-1).astype(jnp.float32),
+                "right": right.sum(-1).astype(jnp.float32)}
+
+    def metrics_from_totals(self, totals: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """`loss_and_metrics` of a whole sequence from its segments' summed `segment_totals`: by default the
+        mean over every scored step of the batch (`masked_cross_entropy`'s) and {accuracy}."""
+        count = jnp.maximum(totals["scored"].sum(), 1)
+        return totals["loss"].sum() / count, {"accuracy": totals["right"].sum() / count}
+
     @classmethod
     def variable_length(cls) -> bool:
         """Whether examples may be shorter than `seq_len` (`data.min_seq_len`): the task defines `sample_padded`."""

@@ -137,6 +137,19 @@ class WordProblemTask(Task):
         valid = steps < length
         return jnp.where(valid, elements, self.padding_id), jnp.where(valid, products, IGNORE)
 
+    def sample_segment(self, key, carry, start, length):
+        """carry: the index of the product of the elements before `start` (0, the identity, at 0)."""
+        table = jnp.asarray(multiplication_table(self.group))
+        steps = start + jnp.arange(length)
+        elements = jax.vmap(lambda i: jax.random.randint(jax.random.fold_in(key, i), (), 0, self.order))(steps)
+        products = table[carry, jax.lax.associative_scan(lambda a, b: table[a, b], elements)]
+        return elements, products, products[-1]
+
+    def metrics_from_totals(self, totals):
+        count = jnp.maximum(totals["scored"], 1)
+        return (totals["loss"] / count).mean(), {"accuracy": (totals["right"] / count).mean(),
+                                                 "sequence_accuracy": (totals["right"] == totals["scored"]).mean()}
+
     def loss_and_metrics(self, outputs, targets):
         """outputs: f32[B, T, |G|] logits, targets: int32[B, T] -> (cross-entropy, {accuracy, sequence_accuracy})."""
         scored = targets != IGNORE
