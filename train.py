@@ -36,6 +36,7 @@ from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
+from rnnlab.sweep_status import job_output_to
 
 # Importing orbax (absl) calls logging.basicConfig(); Hydra configures logging itself, and with both
 # every line of `--info` and of Hydra's own messages printed twice.
@@ -228,6 +229,8 @@ def sweep_job(task):
     the basic sweeper re-raises the first failure once its jobs are done, the Optuna
     sweeper marks the trial FAIL (and goes on up to `max_failure_rate`). Preemption
     still stops the whole sweep: rerunning the command resumes every job.
+    A job's output (its stdout, stderr and console log lines) goes to its train.log, unless
+    `log.sweep_console=true`: the terminal gets rnnlab.sweep_status's one line per finished job.
     """
 
     @functools.wraps(task)
@@ -235,6 +238,12 @@ def sweep_job(task):
         hydra_cfg = HydraConfig.get()
         if hydra_cfg.mode != RunMode.MULTIRUN:
             return task(cfg)
+        if OmegaConf.select(cfg, "log.sweep_console", default=False) is True:
+            return run_job(cfg, hydra_cfg)
+        with job_output_to(Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"):  # train.log
+            return run_job(cfg, hydra_cfg)
+
+    def run_job(cfg: DictConfig, hydra_cfg: DictConfig) -> float:
         log = logging.getLogger("rnnlab")
         started, overrides = time.time(), list(hydra_cfg.overrides.task)
         try:

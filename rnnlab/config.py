@@ -219,6 +219,7 @@ class ProfileConfig:
 class LogConfig:
     # steps between parameter/gradient histograms and per-layer gradient norms; 0 = off
     histograms_every: int = allowed(**NON_NEGATIVE)
+    sweep_console: bool  # a sweep job's output on the terminal too, not only in its train.log (rnnlab.sweep_status)
 
 
 @dataclasses.dataclass(frozen=True)

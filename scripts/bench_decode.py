@@ -2,7 +2,7 @@
 at a time from the state in one compiled loop (`rnnlab.decode`), at each batch size and context.
 
     python scripts/bench_decode.py                        # every cell, batch 1 and 64, contexts 1K .. 64K that fit
-    python scripts/bench_decode.py --cells gru attention --batches 1 --contexts 1024 65536
+    python scripts/bench_decode.py --cells gru attention "attention model.window=512" --batches 1 --contexts 1024 65536
 
 Each cell is its conf/model yaml (its paper's block) at `--hidden` x `--layers`, `--vocab` token ids in and
 logits out, parameters at their initialisation (speed does not depend on training). A setting runs where
@@ -34,18 +34,20 @@ from rnnlab.decode import decode, prefill  # noqa: E402
 from rnnlab.models import build_model, initial_state, state_bytes  # noqa: E402
 
 CELLS = ("rnn", "lstm", "gru", "mingru", "minlstm", "lru", "rglru", "mamba", "mamba2", "gla", "linear_attention",
-         "deltanet", "gated_deltanet", "deltaproduct", "slstm", "mlstm", "rwkv7", "attention")
+         "deltanet", "gated_deltanet", "deltaproduct", "slstm", "mlstm", "rwkv7", "attention", "attention model.window=512")
 FIELDS = ["cell", "batch", "context", "decode_steps", "decode_tokens_per_sec", "ms_per_token_step",
           "state_bytes_per_sequence", "prefill_seconds", "platform"]
 
 
 def compose(cell: str, hidden: int, layers: int) -> cfg.Config:
+    """`cell`: a model config's name, optionally with overrides ("attention model.window=512")."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    name, *overrides = cell.split()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=[
-            f"model={cell}", f"hidden_dim={hidden}", f"num_layers={layers}"]))
+            f"model={name}", f"hidden_dim={hidden}", f"num_layers={layers}", *overrides]))
 
 
 def measure(cell: str, batch: int, context: int, args) -> dict:
@@ -109,21 +111,22 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| cell | batch | context | decode tokens/s | ms per step | state bytes / sequence |\n|---|---|---|---|---|---|")
-    for cell in args.cells:
-        for batch in args.batches:
-            for context in args.contexts:
-                if batch * context > args.max_prefill_tokens:
-                    continue
-                row = measure(cell, batch, context, args)
-                rows.append(row)
-                print(f"| {cell} | {batch} | {context:,} | {row['decode_tokens_per_sec']:,} | {row['ms_per_token_step']} "
-                      f"| {row['state_bytes_per_sequence']:,} |", flush=True)
-                jax.clear_caches()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as f:
+    with args.out.open("w", newline="") as f:  # a row as it is measured: a run stopped early keeps its rows
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
-        writer.writerows(rows)
+        for cell in args.cells:
+            for batch in args.batches:
+                for context in args.contexts:
+                    if batch * context > args.max_prefill_tokens:
+                        continue
+                    row = measure(cell, batch, context, args)
+                    rows.append(row)
+                    writer.writerow(row)
+                    f.flush()
+                    print(f"| {cell} | {batch} | {context:,} | {row['decode_tokens_per_sec']:,} | "
+                          f"{row['ms_per_token_step']} | {row['state_bytes_per_sequence']:,} |", flush=True)
+                    jax.clear_caches()
     try:
         plot(rows, args.plot)
     except ImportError:

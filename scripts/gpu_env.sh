@@ -13,3 +13,8 @@ t0=$(date +%s)
 log() { echo "== $(date +%T) (+$(( $(date +%s) - t0 ))s) $*"; }
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv 2>/dev/null
 python3 -c "import jax, flax, optax, orbax.checkpoint, hydra; print('jax', jax.__version__, jax.devices(), 'flax', flax.__version__, 'optax', optax.__version__)" || exit 1
+elman_row() {  # the machine's speed beside a round's figures: the Elman H=100 row's tokens/s
+  local steps=400; [ "$small" = 1 ] && steps=40
+  timeout 70 python3 train.py model=rnn hidden_dim=100 batch_size=32 data.seq_len=100 steps=$steps log_every=$steps \
+    eval_every=100000 checkpoint.every=100000 hydra.run.dir=/tmp/runs/elman 2>&1 | grep -E "tokens/s|Error|error" | tail -2
+}

@@ -12,9 +12,7 @@
 source "$(dirname "$0")/gpu_env.sh"
 
 log "1. Elman H=100 row"
-steps=400; [ "$small" = 1 ] && steps=40
-timeout 70 python3 train.py model=rnn hidden_dim=100 batch_size=32 data.seq_len=100 steps=$steps log_every=$steps \
-  eval_every=100000 checkpoint.every=100000 hydra.run.dir=/tmp/runs/elman 2>&1 | grep -E "tokens/s|Error|error" | tail -2
+elman_row
 
 log "2. modular arithmetic, A5 and S5 under the protocol, 8,000 steps"
 used=$(( $(date +%s) - t0 )); budget=${BUDGET:-780}

@@ -330,6 +330,38 @@ def label(setting: tuple[tuple[str, str], ...], shown_experiment: bool) -> str:
     return " ".join(parts)
 
 
+# What the papers report for a setting, beside its row (tasks parity and s3), as docs/benchmarks-history.md's
+# "What the papers report" states them (recalled from the papers, not re-read: their arguments, not their tables).
+SWITCH_CELLS = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
+DIAGONAL = ("mamba", "mamba2")  # diagonal (or scalar) transitions: they commute
+
+
+def finding(task_key: str, setting: tuple[tuple[str, str], ...]) -> str:
+    """The papers' finding for a parity or S3 setting, in a phrase ("" where none is recalled)."""
+    keys = dict(setting)
+    cell, switch = keys.get("model", ""), keys.get("model.allow_neg_eigval") == "true"
+    householders = int(keys.get("model.num_householder", 2 if cell == "deltaproduct" else 1))
+    if cell == "lstm":
+        return "Merrill et al.: any length" if task_key == "s3" else "Deletang et al.: any length"
+    if cell == "slstm":
+        return "Beck et al.: state tracking (memory mixing)"
+    if cell == "mlstm":
+        return "Beck et al.: no state tracking (no memory mixing)"
+    if cell not in SWITCH_CELLS:
+        return ""
+    if not switch:
+        return "Grazzi et al.: not with [0, 1] eigenvalues"
+    if task_key == "parity":
+        return "Grazzi et al.: parity with [-1, 1]"
+    if cell in DIAGONAL:
+        return "Grazzi et al.: no (diagonal transitions commute; S3 does not)"
+    if cell == "rwkv7":
+        return ""
+    if householders >= 2:
+        return f"Siems et al.: S3 in one layer from n_h = 2 (here {householders})"
+    return "Siems et al.: one layer needs n_h >= 2; Grazzi et al.: more layers help"
+
+
 def joined(values: list[str]) -> str:
     return ", ".join(dict.fromkeys(sorted(values)))
 
@@ -368,15 +400,18 @@ def table(rows: list[Row], task: Task, outside: bool) -> list[str]:
     lengths = sorted({n for r in rows for j in r.chosen for n in j.by_len} | {task.train_len})
     experiments = {dict(r.setting).get("experiment") for r in rows}
     grid = " / ".join(lr_text(lr) for lr in task.grid)
+    papers = task.key in ("parity", "s3")
     head = ["setting", *(["why outside"] * outside),
             *(f"{task.metric}@{n}" + (" (train)" if n == task.train_len else "") for n in lengths),
-            "lr", "seeds", f"seed 0 @{task.train_len}: {grid}", "tokens/s", "machine", "date", "commit", "jobs"]
+            "lr", "seeds", f"seed 0 @{task.train_len}: {grid}", *(["the papers"] * papers), "tokens/s", "machine",
+            "date", "commit", "jobs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         rate = zoo_protocol.mean_and_spread([j.tokens_per_sec for j in r.chosen])[0]
         cells = [label(r.setting, len(experiments) > 1), *([r.outside] * outside),
                  *(value_cell(r, n) for n in lengths), lr_text(r.choice.lr) if r.choice.best else "none",
-                 str(len(r.chosen)), grid_cell(r, task), fmt(rate, ",") if rate is not None else NOT_RECORDED,
+                 str(len(r.chosen)), grid_cell(r, task), *([finding(task.key, r.setting) or "-"] * papers),
+                 fmt(rate, ",") if rate is not None else NOT_RECORDED,
                  *(joined([getattr(j, key) for j in r.jobs]) for key in ("machine", "date", "commit")),
                  ", ".join(f"[{s}]({s})" for s in dict.fromkeys(j.source for j in r.jobs))]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -436,6 +471,11 @@ def section(task: Task, rows: list[Row], docs: Path) -> list[str]:
         lines += [f"{len(inside)} setting(s) under the protocol, each at the lr its seed-0 grid chose on "
                   f"{task.metric}@{task.train_len}; mean ± sd over the seeds at that lr.", "",
                   *table(inside, task, outside=False), "", f"![{task.title}]({plot_name(task)})"]
+        if task.key in ("parity", "s3"):
+            lines += ["", "The papers' column: what Grazzi et al. (2025), Siems et al. (2025), Merrill et al. (2024), "
+                      "Deletang et al. (2023) and Beck et al. (2024) report for such a model, as recalled in "
+                      "[the history file](" + HISTORY + "#" + slug("The state-tracking zoo at CPU scale: a one-lr, one-seed subset") + "), not "
+                      "re-read: their arguments, not their tables; where a row disagrees, the row is the measurement."]
         return lines
     reasons = collections.Counter(r.outside for r in rows)
     why = (f"{len(rows)} setting(s) have rows, all outside the protocol ("

@@ -21,6 +21,11 @@ after a deadline goes on where it stopped (on this machine or another: copy the 
 deadline no job starts; running ones get SIGTERM (train.py stops at its next step and writes
 results.json with status `preempted`; its compiler's subprocesses are left to finish), then SIGKILL
 after `--grace` seconds. Exit 0, or 1 if any job did not complete.
+
+The terminal gets the lr each setting chose and, per finished job, the status line `train.py -m` prints
+(rnnlab.sweep_status: `[12/72] 2 running, 58 left, 0 failed, about 1 h 40 min left`; a job that did not
+complete counts as failed); <out>/queue.log keeps those and every job's start and end, a job's own
+output is in its run dir's stdout.log.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ import summarize  # noqa: E402
 import zoo_protocol  # noqa: E402
 
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from rnnlab.sweep_status import seconds_left, status_line  # noqa: E402
 
 
 def slug(overrides: list[str]) -> str:
@@ -101,26 +109,47 @@ def main(argv: list[str] | None = None) -> int:
         grid[job.setting].append(job)
     running: list[Job] = []
     done: list[Job] = []
+    total = len(settings) * (len(args.lrs) + args.seeds - 1)  # each setting's grid, then its other seeds
     start = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     events = open(args.out / "queue.log", "a")
 
-    def say(text: str) -> None:
+    def say(text: str, console: bool = True) -> None:
         line = f"{time.time() - start:7.1f}s {text}"
-        print(line, flush=True)
+        if console:
+            print(line, flush=True)
         events.write(line + "\n")
         events.flush()
 
+    def status() -> None:
+        """The sweep's status line (rnnlab.sweep_status, as train.py -m prints it), on the terminal and in queue.log."""
+        now = time.time()
+        ok = [j for j in done if j.results().get("status") == zoo_protocol.OK]
+        durations = [j.ended - j.started for j in ok if j.proc is not None]  # jobs run here, not kept from earlier
+        running_for = [now - j.started for j in running]
+        left = max(total - len(done) - len(running), 0)
+        line = status_line(len(done), total, len(running), len(done) - len(ok),
+                           seconds_left(durations, left, running_for, args.parallel), now - start)
+        print(line, flush=True)
+        say(line, console=False)
+
     def finish(job: Job) -> None:
+        nonlocal total
         job.ended = time.time()
         if job in running:
             running.remove(job)
         done.append(job)
         say(f"end  {job.dir.relative_to(args.out)} {job.results().get('status')} score={job.score()} "
-            f"({job.ended - job.started:.0f}s)")
-        if job.seed == 0 and all(j.ended for j in grid[job.setting]) and not late:
+            f"({job.ended - job.started:.0f}s)", console=False)
+        chosen = job.seed == 0 and all(j.ended for j in grid[job.setting]) and not late
+        best = None
+        if chosen:
             lrs = [zoo_protocol.LrResult(float(j.lr), [k], [j.score()]) for k, j in enumerate(grid[job.setting])]
             best = zoo_protocol.choose(lrs, job.metric())
+            if best is None:
+                total -= args.seeds - 1
+        status()
+        if chosen:
             if best is None:
                 say(f"setting {job.setting}: every lr failed; no seeds")
                 return
@@ -140,11 +169,12 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             job.start(args.train, args.common)
             running.append(job)
-            say(f"start {job.dir.relative_to(args.out)}")
+            say(f"start {job.dir.relative_to(args.out)}", console=False)
         for job in [j for j in running if j.proc.poll() is not None]:
             finish(job)
         if late:
             say(f"deadline: {len(queue)} jobs not started, {len(running)} stopped")
+            total = len(done) + len(running)  # the jobs not started leave the count
             queue.clear()
             for job in running:
                 job.proc.send_signal(signal.SIGTERM)  # train.py alone: a compiler subprocess killed fails the job

@@ -86,3 +86,26 @@ def test_bad_segment_lengths_name_the_key_and_what_is_allowed(overrides, message
     with pytest.raises(cfg.ConfigError) as info:
         compose_config(overrides)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_attention_whose_cache_would_not_fit_is_refused_in_one_line_before_it_compiles(tmp_path):
+    """A recurrence's state does not grow with the length; attention's cache of every step does: a length
+    whose cache cannot fit is refused naming the key, and a window makes the same length fit."""
+    from rnnlab.memory import OutOfMemoryError
+
+    far = ["data=parity", "model=attention", "data.eval_seq_lens=[6,2000000000]", "data.eval_segment_len=4096",
+           "checkpoint.enabled=false", "steps=2", "eval_every=2"]
+    with pytest.raises(OutOfMemoryError) as info:
+        train_and_evaluate(tiny_config(*far), tmp_path / "full")
+    message = str(info.value)
+    assert message.startswith("key 'data.eval_seq_lens': evaluating 2000000000 steps keeps a model state of about")
+    assert "model.window" in message and "\n" not in message
+    assert not (tmp_path / "full" / "results.json").exists()
+    from rnnlab import memory  # with a window, the ring buffer of its last 8 steps: it fits
+    from rnnlab.models import initial_state
+
+    config = tiny_config(*far, "model.window=8")
+    model = build_model(config.model, 2, "cpu", 2)
+    state = jax.eval_shape(lambda: initial_state(model, config.batch_size, 2_000_000_000))
+    assert memory.tree_bytes(state) < 1e6
+    memory.check_eval_state_fits(memory.tree_bytes(state), 2_000_000_000, jax.devices()[:1], config)

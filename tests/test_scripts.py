@@ -177,3 +177,50 @@ def test_first_step_runs_each_cell_from_empty_caches_and_reads_its_results(capsy
     (row,) = load_script("first_step").main(["--cells", "rnn", "--set", "steps=2"])
     assert row["cell"] == "rnn" and 0 < row["compile"] < row["run_wall"] < row["process_wall"]
     assert "| rnn |" in capsys.readouterr().out
+
+
+def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
+    """scripts/bench_decode.py at a toy size: a row per cell, batch and context that fits; a recurrence's state
+    bytes do not grow with the context, full attention's do, a window's stop at the window."""
+    require("matplotlib")
+    out, plot = tmp_path / "decode.csv", tmp_path / "decode.png"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--cells", "gru", "attention", "attention model.window=4",
+         "--batches", "1", "2", "--contexts", "8", "32", "--decode", "3", "--repeats", "1", "--hidden", "8", "--layers", "1",
+         "--vocab", "5", "--max-prefill-tokens", "40", "--out", str(out), "--plot", str(plot)],
+        capture_output=True, text=True, env=train_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import csv
+
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["cell"], r["batch"], r["context"]) for r in rows] == [
+        (cell, b, n) for cell in ("gru", "attention", "attention model.window=4") for b, n in (("1", "8"), ("1", "32"), ("2", "8"))]
+    size = {(r["cell"], r["context"]): int(r["state_bytes_per_sequence"]) for r in rows}
+    assert size["gru", "8"] == size["gru", "32"] == 8 * 4
+    assert size["attention", "32"] > size["attention", "8"]  # k and v of every step: 2 x (8 + 3) vs 2 x (32 + 3)
+    assert size["attention model.window=4", "8"] == size["attention model.window=4", "32"]
+    assert all(float(r["decode_tokens_per_sec"]) > 0 for r in rows) and plot.stat().st_size > 0
+    assert sum(line.startswith("| ") for line in proc.stdout.splitlines()) == len(rows) + 1  # the header and the rows
+
+
+def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
+    """scripts/eval_long.py restores a run's newest checkpoint and evaluates it in segments: at a length the run
+    evaluated whole, on the same examples (its eval batch), it scores what the run's results.json says."""
+    from conftest import TINY, run_train
+
+    run = tmp_path / "run"
+    proc = run_train([*TINY, "data=word_problem", "model=gru", "data.eval_seq_lens=[6,40]", "eval_batches=1",
+                      "steps=6", "eval_every=6", "checkpoint.every=6", f"hydra.run.dir={run}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "long.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_long.py"), str(run), "--lengths", "40", "1000",
+                           "--segment", "16", "--sequences", "8", "--out", str(out)],
+                          capture_output=True, text=True, env=train_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import csv
+
+    rows = {int(r["length"]): r for r in csv.DictReader(out.open())}
+    results = json.loads((run / "results.json").read_text())
+    for key, value in results["eval_by_len"]["40"].items():
+        assert float(rows[40][key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert 0 <= float(rows[1000]["accuracy"]) <= 1 and rows[1000]["step"] == "6"

@@ -1,4 +1,5 @@
-"""Sweeps end to end: launchers, a failing job, Optuna, HParams events, summarize.py; the progress bar."""
+"""Sweeps end to end: launchers, a failing job, Optuna, HParams events, summarize.py; the progress bar;
+the status line a sweep prints per finished job (rnnlab.sweep_status)."""
 
 import io
 import json
@@ -14,6 +15,13 @@ from conftest import ROOT, compose_config, require, run_train
 # Tiny jobs: each compiles and runs in a few seconds on a 2-core CPU.
 SWEEP_TINY = ["steps=4", "batch_size=8", "data.seq_len=6", "log_every=2", "eval_every=4", "eval_batches=1",
               "checkpoint.enabled=false", "device=cpu"]
+
+
+STATUS_LINE = re.compile(r"\[(\d+)/(\d+|\?)\] (\d+) running, (\d+|\?) left, (\d+) failed, .*")
+
+
+def status_lines(text):
+    return [line for line in text.splitlines() if STATUS_LINE.fullmatch(line)]
 
 
 def jobs_of(sweep_dir):
@@ -157,6 +165,11 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     assert hydra_cfg["job"]["env_set"]["RNNLAB_PIN_CPU"] == "1"  # one core per job
     assert hydra_cfg["job"]["env_set"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # jobs share a GPU
     assert all("pinned to CPU core" in (job / "train.log").read_text() for job in jobs)
+    # The workers' output went to each job's train.log; the terminal got one status line per finished job.
+    assert [STATUS_LINE.fullmatch(line).group(1, 2) for line in status_lines(proc.stdout)] == [("1", "2"), ("2", "2")]
+    assert status_lines(proc.stdout)[-1].endswith("0 left, 0 failed, done in " + proc.stdout.split("done in ")[-1].strip())
+    assert " step 4/4 " not in proc.stdout + proc.stderr and "Summary" not in proc.stdout + proc.stderr
+    assert all(" step 4/4 " in (job / "train.log").read_text() for job in jobs)
 
 
 @pytest.mark.slow
@@ -194,6 +207,77 @@ def test_progress_bar_draws_step_loss_rate_and_eta():
     bar.close()  # idempotent
     drawn = buffer.getvalue()
     assert "50/100" in drawn and "loss 0.1234" in drawn and "12,346 tokens/s" in drawn and "ETA" in drawn
+
+
+def test_a_sweep_prints_one_status_line_per_job_and_each_jobs_output_goes_to_its_train_log(tmp_path):
+    """Three tiny jobs with the basic launcher, the second failing: the terminal gets a status line per job
+    (the failure counted, its train.log named) and none of the jobs' own lines; their train.logs hold them."""
+    proc = run_train(["-m", "data.seq_len=6,1,8", *[o for o in SWEEP_TINY if "seq_len" not in o], "hidden_dim=8",
+                      f"hydra.sweep.dir={tmp_path}"], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = status_lines(proc.stdout)
+    assert [re.sub(r", (about|less|done|time).*", "", line) for line in lines] == [
+        "[1/3] 0 running, 2 left, 0 failed", "[2/3] 0 running, 1 left, 1 failed", "[3/3] 0 running, 0 left, 1 failed"]
+    assert lines[0].endswith(("less than a minute left", " min left")) and ", done in " in lines[2]
+    first, failed, last = jobs_of(tmp_path)
+    assert f"; job 1 failed: see {failed / 'train.log'}" in proc.stdout  # the status line of the failed job
+    assert len([line for line in proc.stdout.splitlines() if re.match(r"\[\d+/", line)]) == 3  # one line per job
+    terminal = proc.stdout + proc.stderr
+    assert " step 4/4 " not in terminal and "Summary" not in terminal and "eval step" not in terminal
+    for job in (first, last):
+        log = (job / "train.log").read_text()
+        assert "RecurrentModel Summary" in log and " step 4/4 " in log and "eval step 4 " in log
+    assert "rnnlab: error: key 'data.seq_len'" in (failed / "train.log").read_text()  # the job's error, in its log
+    assert "rnnlab: error: sweep job 1 (data.seq_len=1" in proc.stderr  # and the sweep's summary, as before
+
+
+@pytest.mark.slow
+def test_a_sweep_with_sweep_console_keeps_the_jobs_output_on_the_terminal(tmp_path):
+    proc = run_train(["-m", "hidden_dim=8", "log.sweep_console=true", *SWEEP_TINY, f"hydra.sweep.dir={tmp_path}"],
+                     cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert " step 4/4 " in proc.stdout and "RecurrentModel Summary" in proc.stdout
+    assert len(status_lines(proc.stdout)) == 1 and status_lines(proc.stdout)[0].startswith("[1/1] 0 running, 0 left")
+
+
+def test_status_line_and_time_left():
+    from rnnlab.sweep_status import seconds_left, status_line, time_left
+
+    assert time_left(6000) == "about 1 h 40 min left"
+    assert time_left(170) == "about 3 min left"
+    assert time_left(59) == time_left(0) == "less than a minute left"
+    assert time_left(7200) == "about 2 h left" and time_left(None) == "time left unknown"
+    assert status_line(12, 72, 2, 0, 6000) == "[12/72] 2 running, 58 left, 0 failed, about 1 h 40 min left"
+    assert status_line(3, 3, 0, 1, 0, elapsed=4000) == "[3/3] 0 running, 0 left, 1 failed, done in 1 h 7 min"
+    assert status_line(2, None, 1, 0, None) == "[2/?] 1 running, ? left, 0 failed, time left unknown"
+    # Jobs of 100 s: 4 left on 2 workers, one running for 30 s -> slots end at 70+100+100 and 100+100.
+    assert seconds_left([90, 110], 4, [30], 2) == 270
+    assert seconds_left([100], 3, [], 1) == 300 and seconds_left([], 3, [], 1) is None
+    assert seconds_left([100], 0, [40, 130], 4) == 60  # only the running jobs: the longest remainder
+
+
+def test_job_output_to_sends_prints_fds_and_console_logging_to_the_log(tmp_path, capfd):
+    import logging
+    import os
+
+    from rnnlab.sweep_status import job_output_to
+
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stdout)
+    root.addHandler(console)
+    try:
+        with job_output_to(tmp_path / "train.log"):
+            print("printed", flush=True)
+            os.write(2, b"native stderr\n")
+            logging.getLogger("rnnlab.test").warning("logged")
+            assert console not in root.handlers
+        print("after")
+        assert console in root.handlers
+    finally:
+        root.removeHandler(console)
+    out, err = capfd.readouterr()
+    assert out == "after\n" and err == ""
+    assert (tmp_path / "train.log").read_text() == "printed\nnative stderr\n"
 
 
 def test_progress_bar_is_off_without_a_terminal():

@@ -5,6 +5,7 @@ stand-in for train.py that writes results.json as train.py does, so these run in
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -57,6 +58,14 @@ def test_the_grid_runs_on_seed_0_then_the_seeds_at_its_best_lr(tmp_path):
     expected += [f"zoo_x/cell-{c}/lr1e-3_seed{s}" for c in "ab" for s in (1, 2)]
     assert runs == sorted(expected)
     assert "lr 1e-3 (0.9)" in done.stdout  # the tie with 3e-3 goes to the smaller lr
+    # The terminal gets train.py -m's status line per finished job (rnnlab.sweep_status), not each start and end.
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    assert [line.split("]")[0] for line in lines] == [f"[{k}/12" for k in range(1, 13)]
+    assert all(re.fullmatch(r"\[\d+/12\] \d running, \d+ left, 0 failed, (less than a minute left|about \d+ min left|"
+                            r"done in \d+ s)", line) for line in lines), lines
+    assert lines[-1].startswith("[12/12] 0 running, 0 left, 0 failed, done in ")
+    assert " start " not in done.stdout and " end " not in done.stdout
+    assert "end  zoo_x/cell-a/lr1e-2_seed0 completed" in (tmp_path / "out" / "queue.log").read_text()
 
     again = queue(tmp_path, "--seeds", "3")  # everything completed: nothing runs twice
     assert again.returncode == 0, again.stdout + again.stderr
@@ -68,6 +77,7 @@ def test_a_deadline_stops_the_jobs_with_sigterm_to_the_job_alone(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr  # preempted jobs are not completed ones
     assert "deadline: 1 jobs not started, 3 stopped" in done.stdout
     assert "seeds queued" not in done.stdout  # no lr is chosen from stopped jobs
+    assert "[3/3] 0 running, 0 left, 3 failed, done in " in done.stdout  # stopped jobs did not complete
     results = [json.loads(p.read_text()) for p in (tmp_path / "out").rglob("results.json")]
     assert [r["status"] for r in results] == ["preempted"] * 3
     assert not list((tmp_path / "out").rglob("child_term"))  # the job's subprocesses did not get its SIGTERM
