@@ -8,7 +8,8 @@ compiling. A cache dir JAX was already given (`JAX_COMPILATION_CACHE_DIR`, the t
 Reading a cached executable can crash the process (jax-ml/jax#28908: a deserialised executable
 segfaulting). So that a bad entry costs at most one crash: while JAX reads or compiles through the cache,
 the process keeps a marker file beside it; a run that finds the marker of a process that is gone (it died
-there) moves the cache aside before it compiles anything, and says so.
+there) moves the cache aside before it compiles anything, and says so. Where even one crash is too many
+(CI), `RNNLAB_COMPILE_CACHE=0` in the environment turns the cache off for every run, whatever the config says.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 # "0": no markers and no quarantine (the test suite, whose tests SIGKILL train.py at random moments on purpose,
 # compilations included: each such kill would move the suite's shared cache aside).
 GUARD_ENV = "RNNLAB_COMPILE_CACHE_GUARD"
+OFF_ENV = "RNNLAB_COMPILE_CACHE"  # "0": every run of this environment compiles without the cache
 _REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"  # recorded before the cache is read
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _COMPILED_EVENT = "/jax/core/compile/backend_compile_duration"  # recorded once the program is loaded or compiled
@@ -95,6 +97,7 @@ def enable(enabled: bool) -> CacheUse | None:
         _given.append(jax.config.jax_compilation_cache_dir or os.environ.get(CACHE_DIR_ENV) or None)
     directory = Path(_given[0]) if _given[0] else default_dir()
     guard = os.environ.get(GUARD_ENV, "1") != "0"
+    enabled = enabled and os.environ.get(OFF_ENV, "1") != "0"
     if enabled and guard and quarantine_if_crashed(directory) is not None:
         _state.clear()  # a new cache in the dir: JAX opens it afresh
     if _state != [(enabled, str(directory))]:  # JAX decides whether to use its cache once, until reset

@@ -25,8 +25,10 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 ROOT = Path(__file__).resolve().parents[1]
 # JAX's persistent compilation cache for this process and its train.py subprocesses, every
 # program kept (the defaults keep only those that took a second to compile).
-# RNNLAB_TEST_COMPILE_CACHE=0 runs without it.
-if os.environ.get("RNNLAB_TEST_COMPILE_CACHE", "1") != "0":
+# RNNLAB_TEST_COMPILE_CACHE=0 runs without it, train.py's own cache off too (CI does: jax-ml/jax#28908).
+if os.environ.get("RNNLAB_TEST_COMPILE_CACHE", "1") == "0":
+    os.environ["RNNLAB_COMPILE_CACHE"] = "0"
+else:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -18,7 +18,8 @@ def _results(workdir):
 
 def test_two_runs_of_one_cell_with_other_lr_and_seed_compile_the_train_step_once(tmp_path):
     cache = tmp_path / "cache"
-    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           compile_cache.OFF_ENV: "1"}
     runs = {"first": ["optimizer.lr=1e-3", "seed=0"], "second": ["optimizer.lr=3e-3", "seed=1"]}
     for name, args in runs.items():
         proc = run_train([*TINY, "model=gru", *args, f"hydra.run.dir={tmp_path / name}"], tmp_path, env)
@@ -79,7 +80,7 @@ def test_a_run_moves_a_crashed_cache_aside_and_completes(tmp_path):
     markers = tmp_path / "cache.in-use"
     markers.mkdir()
     (markers / f"{socket.gethostname()}-{_dead_pid()}").write_text("0")
-    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), compile_cache.GUARD_ENV: "1"}
+    env = {"JAX_COMPILATION_CACHE_DIR": str(cache), compile_cache.GUARD_ENV: "1", compile_cache.OFF_ENV: "1"}
     proc = run_train([*TINY, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path, env)
     assert proc.returncode == 0, proc.stderr
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("cache.crashed-")]
