@@ -152,8 +152,9 @@ class DataConfig:
     seq_len: int
     min_seq_len: Optional[int]  # None: every training example has seq_len steps; else lengths in [min_seq_len, seq_len]
     eval_seq_lens: tuple[int, ...]  # further lengths evaluated at every eval (eval/<metric>@<len>, eval_by_len)
-    # None: every evaluated length runs whole; N: lengths beyond N run in segments of N steps, the model's
-    # state carried and each segment drawn on the device (memory does not grow with the length)
+    # None: every evaluated length runs whole; N: lengths beyond N run in segments of N steps (at most
+    # `steps.EVAL_BLOCK_TOKENS` tokens per device), the model's state carried and each segment drawn on the
+    # device (memory grows with neither the length nor N)
     eval_segment_len: Optional[int] = None
     # The chosen task's own keys (its dataclass fields beyond `seq_len`, e.g. vocab_size), as (name, value)
     # pairs: they sit beside the others under `data:` and are filled from the task's defaults.

@@ -232,6 +232,17 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
     return Evaluator(p_eval_step, [sampler(dp.host_scalar(i), seed) for i in range(config.eval_batches)], examples)
 
 
+# What one segment of a long evaluation runs through the model at once, per device: the model's activations for it
+# are what the evaluation holds (Mamba at the zoo's H=64, 2 layers: 80 MB of XLA temporaries, against 640 MB at 131,072).
+EVAL_BLOCK_TOKENS = 16_384
+
+
+def eval_block_len(segment_len: int, per_device: int) -> int:
+    """The steps of each segment a long evaluation runs: `data.eval_segment_len`, at most `EVAL_BLOCK_TOKENS`
+    tokens per device (never below one step), so that its memory is bounded by neither the length nor the batch."""
+    return max(1, min(segment_len, EVAL_BLOCK_TOKENS // per_device))
+
+
 def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
                            segment_len: int) -> Evaluator:
     """The `Evaluator` of `task` run as an RNN (`data.eval_segment_len`): each eval batch, drawn from the same
@@ -241,6 +252,7 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
     the (batch index, seed) pairs; each segment is drawn on the device."""
     model = build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
     length = task.total_len
+    segment_len = eval_block_len(segment_len, per_device)
     whole, rest = divmod(length, segment_len)
 
     def evaluate(state, index, seed):

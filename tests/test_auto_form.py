@@ -11,13 +11,19 @@ from rnnlab.config import ConfigError
 from rnnlab.models import build_model
 
 
-@pytest.mark.parametrize("cell", ["mamba", "rwkv7", "mlstm", "deltanet", "gated_deltanet", "deltaproduct"])
+@pytest.mark.parametrize("cell", ["rwkv7", "mlstm", "deltanet", "gated_deltanet", "deltaproduct"])
 def test_auto_is_a_short_form_up_to_64_steps_and_the_chunked_beyond(cell):
     kind = cells.get_cell(cell)(16)
     short = dict(kind.auto_forms)[64]
     assert short in kind.time_scans and short != "chunked"
     assert [kind.resolve_time_scan("auto", t) for t in (1, 16, 64, 65, 10_000)] == [short] * 3 + ["chunked"] * 2
     assert kind.resolve_time_scan("chunked", 16) == "chunked"  # a form written out is run as written
+
+
+def test_mambas_auto_is_the_chunked_form_at_every_length():
+    kind = cells.get_cell("mamba")(16)
+    assert [kind.resolve_time_scan("auto", t, stateful) for t in (1, 16, 64, 10_000) for stateful in (False, True)] == [
+        "chunked"] * 8
 
 
 def test_a_cell_without_auto_forms_runs_its_default_form():

@@ -179,6 +179,7 @@ def test_first_step_runs_each_cell_from_empty_caches_and_reads_its_results(capsy
     assert "| rnn |" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # decoding itself: tests/test_decode.py
 def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     """scripts/bench_decode.py at a toy size: a row per cell, batch and context that fits; a recurrence's state
     bytes do not grow with the context, full attention's do, a window's stop at the window."""
@@ -203,6 +204,7 @@ def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     assert sum(line.startswith("| ") for line in proc.stdout.splitlines()) == len(rows) + 1  # the header and the rows
 
 
+@pytest.mark.slow  # the segmented evaluation itself: tests/test_eval_segments.py
 def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
     """scripts/eval_long.py restores a run's newest checkpoint and evaluates it in segments: at a length the run
     evaluated whole, on the same examples (its eval batch), it scores what the run's results.json says."""

@@ -1,7 +1,8 @@
 """Every model as an RNN: a sequence cut into segments of any lengths, each run from the state the one
 before returned (`RecurrentModel(..., state=)`, `models.initial_state`), gives the outputs of the whole
 sequence run at once, for every cell in every form that carries a state, in its paper's block, and for
-the hybrids; a zero state is no state. The fast tier runs each cell's default form; the full tier every form."""
+the hybrids; a zero state is no state. The fast tier runs one cell of each kind of state in its default form;
+the full tier every cell in every form."""
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +19,23 @@ B, T, H = 2, 23, 8
 CUTS = (1, 7, 3, 12)  # segments of 1, 7, 3 and 12 steps: a lone step, a chunk and more, a part of one
 
 
+# The fast tier: one cell of each kind of state, in its yaml's own form (a carry; a linear recurrence's h; an SSM's
+# state and conv tail; a matrix state; mLSTM's (C, n, m); RWKV-7's state and token shift). Attention's cache:
+# tests/test_attention_cache.py.
+FAST = ("lstm", "lru", "mamba", "deltanet", "mlstm", "rwkv7")
+
+
 def cell_forms():
-    """(model config, form) for every cell's yaml and each form of its cell that carries a state; the
-    yaml's own form first (fast tier), the others in the full tier."""
+    """(model config, form) for every cell's yaml and each form of its cell that carries a state; `FAST`'s
+    own forms in the fast tier, the rest in the full tier."""
     cases = []
     for model in group_options("model"):
         m = compose_config([f"model={model}"]).model
         cell = cells.get_cell(m.cell)(1)
         forms = [f for f in (m.time_scan, *cell.time_scans) if cell.carries_state(f)]
         for i, form in enumerate(dict.fromkeys(forms)):
-            cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=() if i == 0 else pytest.mark.slow))
+            fast = i == 0 and model in FAST
+            cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=() if fast else pytest.mark.slow))
     return cases
 
 
@@ -43,8 +51,9 @@ def small_overrides(model: str) -> list[str]:
 def run_segments(model, params, x, cuts, cache_len):
     state = initial_state(model, x.shape[0], cache_len)
     ys, start = [], 0
+    apply = jax.jit(model.apply)  # one program a segment length, not one a primitive
     for length in cuts:
-        y, state = model.apply({"params": params}, x[:, start:start + length], state=state)
+        y, state = apply({"params": params}, x[:, start:start + length], state=state)
         ys.append(y)
         start += length
     return jnp.concatenate(ys, axis=1), state
@@ -56,12 +65,12 @@ def check_segments(overrides, cuts=CUTS, tokens=True, rtol=2e-5, atol=2e-5):
     length = sum(cuts)
     x = (jax.random.randint(jax.random.key(1), (B, length), 0, 5) if tokens
          else jax.random.normal(jax.random.key(1), (B, length, 5)))
-    params = model.init(jax.random.key(0), x)["params"]
-    whole = model.apply({"params": params}, x)
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+    whole = jax.jit(model.apply)({"params": params}, x)
     got, state = run_segments(model, params, x, cuts, length)
     np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=rtol, atol=atol)
     # The whole sequence from the zero state: its outputs and the state the segments ended in.
-    y0, state0 = model.apply({"params": params}, x, state=initial_state(model, B, length))
+    y0, state0 = jax.jit(model.apply)({"params": params}, x, state=initial_state(model, B, length))
     np.testing.assert_allclose(np.asarray(y0), np.asarray(whole), rtol=rtol, atol=atol)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4),
                            state, state0)
@@ -80,7 +89,8 @@ def test_segments_of_float_inputs_and_unstacked_layers(model):
                    tokens=False)
 
 
-@pytest.mark.parametrize("pattern", fast_first(["[gated_deltanet,attention]", "[mamba,mlstm,slstm]", "[rwkv7,lstm]"]))
+@pytest.mark.slow  # the layers' states in a hybrid's groups; each cell's own: the fast tier above
+@pytest.mark.parametrize("pattern", ["[gated_deltanet,attention]", "[mamba,mlstm,slstm]", "[rwkv7,lstm]"])
 def test_segments_of_a_hybrid(pattern):
     first = pattern.strip("[]").split(",")[0]
     check_segments([f"model={first}", f"model.pattern={pattern}", "num_layers=" + str(2 * len(pattern.split(",")))])

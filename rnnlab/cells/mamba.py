@@ -26,11 +26,13 @@ run in float32 whatever `model.dtype`, as the reference implementation runs its 
                               `jax.grad` of the scan); step memory grows as T * B * D * N.
     chunked                   one `lax.scan` over time that discretises each step on the fly from
                               Delta_t, x'_t: [B, D] and B_t, C_t: [B, N] and emits y_t = h_t C_t, cut
-                              into chunks of `model.chunk_size` steps, each `jax.checkpoint`ed
-                              (`gla_forms.block_checkpoint_scan`): autodiff keeps one h: [B, D, N] per
-                              chunk and reruns a chunk's steps in its backward, so no [T, B, D, N]
-                              array exists in the step (the selective scan of Mamba's CUDA kernel,
-                              which keeps h in SRAM, written in JAX). `model.recurrence` is unused.
+                              into chunks of `model.chunk_size` steps; the backward keeps one h: [B, D, N]
+                              per chunk and reruns a chunk's steps, so no [T, B, D, N] array exists in the
+                              step (the selective scan of Mamba's CUDA kernel, which keeps h in SRAM,
+                              written in JAX). `model.recurrence=custom_vjp`: each chunk's backward is
+                              hand-written (`selective_ssm`), a reverse scan whose every step works on one
+                              [B, D, N] state; autodiff: `jax.grad` of each `jax.checkpoint`ed chunk
+                              (`gla_forms.block_checkpoint_scan`).
 
 Every form carries a state (`initial_state`): h and the conv's last K-1 inputs.
 
@@ -47,6 +49,7 @@ out_proj by 1/sqrt(num_layers) at init (`_init_weights`), which a cell, not know
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -65,23 +68,90 @@ def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
     return 1 + 2 * jnp.expm1(delta_a) if allow_neg_eigval else jnp.exp(delta_a)
 
 
+def _ssm_scan(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll, keep_states):
+    """The scan of `selective_ssm`: y_t = h_t C_t, and every h_t too with `keep_states`."""
+
+    def step(h, inp):
+        d_t, x_t, b_t, c_t = inp
+        h = decay(d_t[..., None] * a, allow_neg_eigval) * h + (d_t * x_t)[..., None] * b_t[:, None, :]
+        y = jnp.sum(h * c_t[:, None, :], axis=-1)  # elementwise, as the other forms' h_t C_t
+        return h, ((y, h) if keep_states else y)
+
+    out, h = jax.lax.scan(step, h0, (delta, xs, b_in, c_out), unroll=unroll)[::-1]
+    return out, h
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def selective_ssm(delta: jax.Array, xs: jax.Array, b_in: jax.Array, c_out: jax.Array, a: jax.Array, h0: jax.Array,
+                  allow_neg_eigval: bool = False, unroll: int = 1) -> tuple[jax.Array, jax.Array]:
+    """(y_t = h_t C_t for each t, h_T) with h_t = exp(Delta_t A) * h_{t-1} + (Delta_t x_t) B_t from `h0`, one step
+    at a time, with a hand-written backward: a reverse scan whose every step works on [B, D, N] alone (it stores
+    only the h_t of the forward, which it reruns), where autodiff of the scan reads and writes each of its
+    per-step intermediates over the whole [T, B, D, N].
+
+    delta (Delta, after its softplus), xs: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N]; h0: f32[B, D, N]
+    -> (f32[T, B, D], f32[B, D, N]). `allow_neg_eigval`: the decay is 2 exp(Delta_t A) - 1."""
+    return _ssm_scan(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll, False)
+
+
+def _selective_ssm_fwd(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll):
+    return _ssm_scan(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll, False), (delta, xs, b_in, c_out, a, h0)
+
+
+def _selective_ssm_bwd(allow_neg_eigval, unroll, residuals, cotangents):
+    delta, xs, b_in, c_out, a, h0 = residuals
+    dy, dh_last = cotangents
+    (_, hs), _ = _ssm_scan(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll, True)
+    h_before = jnp.concatenate([h0[None], hs[:-1]])
+
+    def step(carry, inp):
+        dh, da = carry  # dL/dh_t from the steps after t; dL/dA so far
+        d_t, x_t, b_t, c_t, dy_t, h_t, h_prev = inp
+        g = dh + dy_t[..., None] * c_t[:, None, :]  # dL/dh_t
+        e = jnp.exp(d_t[..., None] * a)
+        # h_t = dec * h_{t-1} + (Delta x) B: d dec / d(Delta A) is e (2 e with the negative eigenvalues)
+        s = g * h_prev * (2 * e if allow_neg_eigval else e)
+        g_b = jnp.sum(g * b_t[:, None, :], axis=-1)  # [B, D]
+        d_delta = jnp.sum(s * a, axis=-1) + x_t * g_b
+        d_x = d_t * g_b
+        d_b = jnp.sum(g * (d_t * x_t)[..., None], axis=1)
+        d_c = jnp.sum(dy_t[..., None] * h_t, axis=1)
+        dec = 2 * e - 1 if allow_neg_eigval else e
+        return (g * dec, da + jnp.sum(s * d_t[..., None], axis=0)), (d_delta, d_x, d_b, d_c)
+
+    (dh0, da), (d_delta, d_x, d_b, d_c) = jax.lax.scan(
+        step, (dh_last, jnp.zeros_like(a)), (delta, xs, b_in, c_out, dy, hs, h_before), reverse=True, unroll=unroll)
+    return d_delta, d_x, d_b, d_c, da, dh0
+
+
+selective_ssm.defvjp(_selective_ssm_fwd, _selective_ssm_bwd)
+
+
 def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax.Array, c_out: jax.Array,
                            a: jax.Array, d_skip: jax.Array, chunk_size: int, unroll: int = 1,
-                           allow_neg_eigval: bool = False, h0: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                           allow_neg_eigval: bool = False, h0: jax.Array | None = None,
+                           recurrence: str = "custom_vjp") -> tuple[jax.Array, jax.Array]:
     """(h_t C_t + D x'_t) * silu(z_t), with Delta_t = softplus(dt_t) and h_t = exp(Delta_t A) * h_{t-1} +
     (Delta_t x'_t) B_t, from h = `h0` (f32[B, D, N]; None: 0): the whole layer between its two maps, one step
     at a time; returns it and the h after the last step.
 
     dt (Delta before its softplus, bias added), xs, z: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N] (A,
     negative); d_skip: f32[D] -> (f32[T, B, D], f32[B, D, N]). `allow_neg_eigval`: the decay is 2 exp(Delta_t A)
-    - 1. Chunks of `chunk_size` steps are checkpointed: autodiff stores one h: [B, D, N] per chunk and the
-    inputs, and reruns a chunk's steps (softplus, gate and all) in its backward, so no per-step intermediate of
-    the layer ([T, B, D] each) is stored."""
+    - 1. A chunk of `chunk_size` steps is the unit of the backward: autodiff stores one h: [B, D, N] per chunk
+    and the inputs. `recurrence="custom_vjp"`: each chunk is one `selective_ssm`, its backward hand-written;
+    `"autodiff"`: each chunk is `jax.checkpoint`ed and `jax.grad` reruns its steps (softplus, gate and all)."""
     length = dt.shape[0]
     block = max(1, min(chunk_size, length))
     padded = -(-length // block) * block
     # Padded steps come after the last real one, with Delta = softplus(-inf) = 0: h passes through them unchanged.
     dt = jnp.pad(dt, [(0, padded - length), (0, 0), (0, 0)], constant_values=-jnp.inf)
+    init = jnp.zeros((*dt.shape[1:], a.shape[-1]), dt.dtype) if h0 is None else h0
+    if recurrence == "custom_vjp":
+        delta, xs_p, b_p, c_p = jax.nn.softplus(dt), *pad_time([xs, b_in, c_out], padded)
+        chunks = [v.reshape(padded // block, block, *v.shape[1:]) for v in (delta, xs_p, b_p, c_p)]
+        h, y = jax.lax.scan(lambda h, c: selective_ssm(*c, a, h, allow_neg_eigval, unroll)[::-1], init, chunks)
+        y = y.reshape(padded, *y.shape[2:])[:length]
+        return (y + d_skip * xs) * jax.nn.silu(z), h
     inputs = [dt, *pad_time([xs, z, b_in, c_out], padded)]
 
     def step(h, inp):
@@ -91,7 +161,6 @@ def selective_scan_chunked(dt: jax.Array, xs: jax.Array, z: jax.Array, b_in: jax
         y = jnp.sum(h * c_t[:, None, :], axis=-1) + d_skip * x_t  # elementwise, as the other forms' h_t C_t
         return h, y * jax.nn.silu(z_t)
 
-    init = jnp.zeros((*dt.shape[1:], a.shape[-1]), dt.dtype) if h0 is None else h0
     h, ys = block_checkpoint_scan(step, init, inputs, block, unroll)
     return ys[:length], h
 
@@ -110,11 +179,9 @@ class Mamba(SequenceCell):
     name = "mamba"
     time_scans = ("sequential", "associative", "chunked")
     default_recurrence = "custom_vjp"  # conf/model/mamba.yaml's (init: SequenceCell's default)
-    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
-    # "Forms by length")
-    default_time_scan = "auto"
-    auto_forms = ((64, "sequential"),)
-    long_form = "chunked"
+    # model.time_scan=auto: the chunked form at every length (its hand-written backward: the fastest form at
+    # T=16 and 64 on CPU, docs/benchmarks.md "Step time at the zoo's shapes")
+    default_time_scan = "chunked"
     input_bias = False  # the reference's in_proj has no bias
 
     def input_init(self):
@@ -164,7 +231,8 @@ class Mamba(SequenceCell):
         h0 = None if state is None else state["ssm"]
         if time_scan == "chunked":
             y, h = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
-                                          f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval, h0)
+                                          f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval, h0,
+                                          recurrence)
             out = y.astype(u.dtype) @ params["W_out"]
         else:
             delta = jax.nn.softplus(dt)
