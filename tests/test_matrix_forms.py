@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fast_first
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent
 
@@ -49,6 +50,9 @@ FORMS = {
     "delta_recurrent": (functools.partial(delta_rule_recurrent, checkpoint_every=CHUNK), numpy_delta, "delta"),
     "delta_chunked": (functools.partial(delta_rule_chunked, chunk_size=CHUNK), numpy_delta, "delta"),
     "gated_delta_recurrent": (functools.partial(delta_rule_recurrent, checkpoint_every=CHUNK), numpy_delta, "gated"),
+    # the sequential form's backward by autodiff of each checkpointed block, against which its hand-written one is held
+    "gated_delta_recurrent_autodiff": (functools.partial(delta_rule_recurrent, checkpoint_every=CHUNK, custom_backward=False),
+                                       numpy_delta, "gated"),
     "gated_delta_chunked": (functools.partial(delta_rule_chunked, chunk_size=CHUNK), numpy_delta, "gated"),
 }
 
@@ -177,3 +181,12 @@ def test_strong_gates_do_not_overflow():
         for a, b in zip(g_chunk, g_rec):
             assert np.all(np.isfinite(a))
             assert_close(a, b)
+
+
+@pytest.mark.parametrize("length", fast_first(LENGTHS))
+def test_the_hand_written_backward_of_the_sequential_delta_rule_is_autodiffs(length):
+    """`delta_rule_block`'s backward against jax.grad of the same steps: every argument's gradient."""
+    _, hand = grads("gated_delta_recurrent", length)
+    _, auto = grads("gated_delta_recurrent_autodiff", length)
+    for h, a in zip(hand, auto):
+        np.testing.assert_allclose(h, a, rtol=2e-5, atol=2e-6)

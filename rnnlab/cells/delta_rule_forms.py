@@ -44,6 +44,7 @@ gates, the WY factors and the state are float32. Each form takes an optional ini
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -81,13 +82,74 @@ def unit_lower_inverse(lower: jax.Array) -> jax.Array:
     return inv.reshape(*lead, size, size)[..., :chunk, :chunk]
 
 
+def _delta_scan(q, k, v, beta, log_alpha, s0, dtype, keep_states):
+    """The steps of `delta_rule_block`: o_t, and with `keep_states` the state before each step too."""
+
+    def step(s, x):
+        q_t, k_t, v_t, beta_t, la_t = x
+        s_in = s
+        s = jnp.exp(la_t.astype(F32))[..., None, None] * s
+        err = v_t.astype(F32) - mm("bhk,bhkv->bhv", k_t, s, dtype)
+        s = s + mm("bhk,bhv->bhkv", k_t, beta_t.astype(F32)[..., None] * err, dtype)
+        o = mm("bhk,bhkv->bhv", q_t, s, dtype).astype(dtype)
+        return s, ((o, s_in) if keep_states else o)
+
+    out, s = jax.lax.scan(step, s0, (q, k, v, beta, log_alpha))[::-1]
+    return out, s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def delta_rule_block(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, log_alpha: jax.Array, s0: jax.Array,
+                     dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """(o, S after the last step): the gated delta rule one step at a time from S = `s0` (shapes: module docstring;
+    log_alpha given), with a hand-written backward: it reruns the steps once to keep the state before each, then a
+    reverse scan whose every step works on one [B, h, dk, dv] state, where autodiff of the scan stores and reads
+    each step's intermediates over the whole block. Matmuls as `mm` in `dtype`; the backward in float32."""
+    return _delta_scan(q, k, v, beta, log_alpha, s0, dtype, False)
+
+
+def _delta_rule_block_fwd(q, k, v, beta, log_alpha, s0, dtype):
+    return _delta_scan(q, k, v, beta, log_alpha, s0, dtype, False), (q, k, v, beta, log_alpha, s0)
+
+
+def _delta_rule_block_bwd(dtype, residuals, cotangents):
+    q, k, v, beta, log_alpha, s0 = residuals
+    do, ds_last = cotangents
+    (_, before), _ = _delta_scan(q, k, v, beta, log_alpha, s0, dtype, True)
+    f32 = lambda x: x.astype(F32)  # noqa: E731
+
+    def step(ds, x):
+        q_t, k_t, v_t, beta_t, la_t, do_t, s_prev = x
+        a = jnp.exp(la_t)
+        s_a = a[..., None, None] * s_prev  # S after the gate
+        err = v_t - jnp.einsum("bhk,bhkv->bhv", k_t, s_a)
+        u = beta_t[..., None] * err  # S_t = S_a + k^T u
+        g = ds + q_t[..., None] * do_t[..., None, :]  # dL/dS_t
+        d_q = jnp.einsum("bhkv,bhv->bhk", s_a + k_t[..., None] * u[..., None, :], do_t)
+        d_u = jnp.einsum("bhk,bhkv->bhv", k_t, g)
+        d_err = beta_t[..., None] * d_u
+        d_k = jnp.einsum("bhkv,bhv->bhk", g, u) - jnp.einsum("bhkv,bhv->bhk", s_a, d_err)
+        ds_a = g - k_t[..., None] * d_err[..., None, :]
+        d_la = a * jnp.sum(ds_a * s_prev, axis=(-2, -1))
+        return a[..., None, None] * ds_a, (d_q, d_k, d_err, jnp.sum(d_u * err, axis=-1), d_la)
+
+    ds0, grads = jax.lax.scan(step, f32(ds_last), (f32(q), f32(k), f32(v), f32(beta), f32(log_alpha), f32(do), before),
+                              reverse=True)
+    return (*(g.astype(x.dtype) for g, x in zip(grads, (q, k, v, beta, log_alpha))), ds0.astype(s0.dtype))
+
+
+delta_rule_block.defvjp(_delta_rule_block_fwd, _delta_rule_block_bwd)
+
+
 def delta_rule_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array,
                          log_alpha: jax.Array | None = None, checkpoint_every: int = 64,
-                         state: jax.Array | None = None) -> Any:
+                         state: jax.Array | None = None, custom_backward: bool = True) -> Any:
     """(Gated) delta rule one step at a time. q, k: [T, B, h, dk]; v: [T, B, h, dv];
     beta, log_alpha (None: alpha = 1): [T, B, h] -> o: [T, B, h, dv] (given `state`, (o, S_T)).
 
-    Autodiff stores the state once per `checkpoint_every` steps (block_checkpoint_scan)."""
+    The backward keeps the state once per `checkpoint_every` steps: each block of steps is one
+    `delta_rule_block` (its backward hand-written), or with `custom_backward=False` autodiff of each
+    `jax.checkpoint`ed block (block_checkpoint_scan)."""
     length, batch, heads, dk = q.shape
     dtype = jnp.result_type(q, k, v)
     if log_alpha is None:
@@ -96,6 +158,12 @@ def delta_rule_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Arr
     padded = -(-length // block) * block
     # Padded steps: alpha = 1, beta = k = v = 0, so the state passes through them unchanged.
     xs = pad_time([q, k, v, beta, log_alpha], padded)
+    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state
+    if custom_backward:
+        blocks = [x.reshape(padded // block, block, *x.shape[1:]) for x in xs]
+        final, o = jax.lax.scan(lambda s, b: delta_rule_block(*b, s, dtype)[::-1], init, blocks)
+        o = o.reshape(padded, *o.shape[2:])
+        return o[:length] if state is None else (o[:length], final)
 
     def step(s, x):
         q_t, k_t, v_t, beta_t, la_t = x
@@ -104,7 +172,6 @@ def delta_rule_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Arr
         s = s + mm("bhk,bhv->bhkv", k_t, beta_t.astype(F32)[..., None] * err, dtype)
         return s, mm("bhk,bhkv->bhv", q_t, s, dtype).astype(dtype)
 
-    init = jnp.zeros((batch, heads, dk, v.shape[-1]), F32) if state is None else state
     final, o = block_checkpoint_scan(step, init, xs, block)
     return o[:length] if state is None else (o[:length], final)
 

@@ -15,8 +15,8 @@ parity needs. The forms are unchanged (the WY system stays unit lower-triangular
 
 The write replaces the value stored under k_t by beta_t of the way to v_t (the delta rule), where
 linear attention only adds. The transition is not diagonal, so there is no cheap associative form:
-`sequential` runs it one step at a time (`delta_rule_recurrent`), `chunked` is the chunkwise WY form
-(`delta_rule_chunked`).
+`sequential` runs it one step at a time (`delta_rule_recurrent`, its backward a hand-written reverse scan),
+`chunked` is the chunkwise WY form (`delta_rule_chunked`).
 """
 
 from __future__ import annotations
