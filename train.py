@@ -26,8 +26,11 @@ import threading
 import time
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
+# hydra/launcher=population's plugin class: Hydra finds plugins in the `hydra_plugins` namespace only.
+sys.path.append(str(Path(__file__).resolve().parent / "rnnlab" / "hydra_plugin_path"))
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
@@ -36,7 +39,7 @@ from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
-from rnnlab.sweep_status import job_output_to
+from rnnlab.sweep_status import SWEPT_KEYS_ENV, job_output_to, varied_overrides
 
 # Importing orbax (absl) calls logging.basicConfig(); Hydra configures logging itself, and with both
 # every line of `--info` and of Hydra's own messages printed twice.
@@ -49,7 +52,6 @@ EXIT_DIVERGED = 3
 EXIT_CANNOT_WRITE = 74  # EX_IOERR
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
 EXIT_ABORTED = 130
-SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"  # run_cli -> the sweep's jobs (launcher workers inherit it): the swept keys
 SWEEP_DIR_ENV = "RNNLAB_SWEEP_DIR"  # run_cli -> the launcher and its workers: the sweep dir (conf/config.yaml)
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 
@@ -145,19 +147,6 @@ def resume_command(args: list[str]) -> str:
     if not named and (home is None or stable_preset(parsed_overrides(args)) is None):
         command.append(f"hydra.sweep.dir={home or '<its sweep dir>'}")
     return shlex.join(command)
-
-
-def varied_overrides(hydra_node: DictConfig) -> list[str]:
-    """The overrides of a sweep job that its sweep varies (`model=gru`, not the `steps=600` every job
-    shares): keys the command line sweeps (SWEPT_KEYS_ENV, which the launchers' worker processes
-    inherit) or hydra.sweeper.params lists. Outside a sweep, or if none is found, all of them."""
-    overrides = list(hydra_node.overrides.task)
-    if hydra_node.mode != RunMode.MULTIRUN:
-        return overrides
-    swept = {*filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")),
-             *map(override_key, OmegaConf.select(hydra_node, "sweeper.params") or {})}
-    varied = [o for o in overrides if override_key(o) in swept]
-    return varied or overrides
 
 
 def job_dirname(*, _root_: DictConfig) -> str:

@@ -90,15 +90,16 @@ class Checkpointer:
         else:
             history.unlink(missing_ok=True)
 
-    def restore_latest(self, target: Any) -> tuple[Any, int, dict[str, Any]] | None:
-        """(state, step, run record) from the newest restorable checkpoint, or None if there is none.
+    def restore_latest(self, target: Any, at_most: int | None = None) -> tuple[Any, int, dict[str, Any]] | None:
+        """(state, step, run record) from the newest restorable checkpoint (at step `at_most` or before, if
+        given), or None if there is none.
 
         A checkpoint that fails to restore is reported with its path, renamed to
         `<step>.unreadable` (kept for inspection, invisible to Orbax, so the step can be
         saved again) and the next older one is tried. If none restores: CheckpointError,
         never a silent fresh start.
         """
-        steps = sorted(self._manager.all_steps(), reverse=True)
+        steps = sorted((s for s in self._manager.all_steps() if at_most is None or s <= at_most), reverse=True)
         failures = []
         for step in steps:
             path = self.directory / str(step)
@@ -123,6 +124,13 @@ class Checkpointer:
                 f"move them away or use a new hydra.run.dir"
             )
         return None
+
+    def discard_after(self, step: int) -> None:
+        """Delete the checkpoints after `step` (a population resumes every member at the newest step all of them
+        saved; the later ones are written again as training reaches them)."""
+        for later in sorted(s for s in self._manager.all_steps() if s > step):
+            self._manager.delete(later)
+            log.info("deleted checkpoint %s: training resumes from step %d", self.directory / str(later), step)
 
     def should_save(self, step: int) -> bool:
         return self._manager.should_save(step)

@@ -79,11 +79,12 @@ def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.D
     """Before anything is allocated (shapes will do): OutOfMemoryError unless the train state `state` (on the
     host and on each local device), the batches that stay on the devices, and `kept_per_device` bytes of what
     the step must keep for its backward (`layer_outputs_bytes`, a lower bound of the compiled step's own
-    memory) fit. `batches`: one global batch of each evaluated length, the training length's first; a train
-    batch and `config.eval_batches` of each stay, split over the processes and their devices."""
+    memory) fit. `batches`: a global train batch, then one of each length evaluated whole (the longer ones run in
+    segments, `data.eval_segment_len`); the train batch and `config.eval_batches` of each evaluated length stay,
+    split over the processes and their devices."""
     sizes = [tree_bytes(batch) for batch in batches]
     local = sum(d.process_index == jax.process_index() for d in devices)
-    on_devices = (sizes[0] + config.eval_batches * sum(sizes)) / max(1, jax.process_count())
+    on_devices = (sizes[0] + config.eval_batches * sum(sizes[1:])) / max(1, jax.process_count())
     what = "the train state and the batches" + (", with the layer outputs the backward keeps," if kept_per_device else "")
     check_fits(what, host_bytes=tree_bytes(state), device_bytes=tree_bytes(state) + on_devices / local + kept_per_device,
                devices=devices, config=config)
@@ -115,6 +116,26 @@ def check_step_fits(stats: Any, devices: Sequence[jax.Device], config: Config) -
     cannot fit beside the (already resident) state on `devices`."""
     if stats is not None:
         check_fits("the train step", host_bytes=0.0, device_bytes=compiled_bytes(stats), devices=devices, config=config)
+
+
+def check_population_fits(stats: Any, state_bytes: float, members: int, devices: Sequence[jax.Device],
+                          config: Config) -> None:
+    """OutOfMemoryError naming how many members would fit, if a population's compiled step (`stats`, for all
+    `members`; None: unknown, passes) cannot fit beside its train states (`state_bytes` for all, already
+    resident). A member's share of either is taken as 1/members of it."""
+    if stats is None:
+        return
+    free = free_bytes(devices)
+    step = compiled_bytes(stats)
+    if free is None or step <= free:
+        return
+    per_member = (step + state_bytes) / members
+    fit = int((free + state_bytes) // per_member) if per_member else members
+    raise OutOfMemoryError(
+        f"key 'hydra/launcher': a population of {members} members would take about {(step + state_bytes) / GiB:.3g} GiB, "
+        f"but {(free + state_bytes) / GiB:.3g} GiB of {devices[0].platform} memory is free: about {fit} member(s) fit "
+        f"(hydra.launcher.max_members={max(fit, 1)} trains the grid in groups of that size; allowed: "
+        f"hydra/launcher=basic|parallel|population)")
 
 
 def compiled_bytes(stats: Any) -> float:

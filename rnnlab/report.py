@@ -7,6 +7,7 @@ host values (`rnnlab.steps.StepFunctions` reads them from the devices).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -79,6 +80,17 @@ def _format_metrics(task: tasks.Task, metrics: dict[str, float]) -> str:
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0][:300]}" if text else type(error).__name__
+
+
+def peak_device_bytes(devices: Sequence) -> int | None:
+    """The most memory this process's first device has held (the allocator's peak, for the whole process: in a
+    population, the program's), where the device reports one (GPU, TPU); None on CPU."""
+    local = next((d for d in devices if d.process_index == jax.process_index()), None)
+    try:
+        stats = local.memory_stats() if local is not None else None
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return None
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
 class Throughput:
@@ -166,7 +178,8 @@ class Reporter:
     `log_eval`, `log_examples`, `log_param_stats` (within `paused`), `check_finite` before a save;
     then `end_loop`, `results`, `finish`."""
 
-    def __init__(self, setup: Setup, start_step: int, overrides: Sequence[str] = (), varied: Sequence[str] = ()):
+    def __init__(self, setup: Setup, start_step: int, overrides: Sequence[str] = (), varied: Sequence[str] = (),
+                 profile: bool = True):
         self.setup = setup
         workdir, config = setup.workdir, setup.config
         self._writer = MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
@@ -175,7 +188,9 @@ class Reporter:
         local_device = next(d for d in setup.devices if d.process_index == jax.process_index())
         peak = functools.partial(flops.peak_flops, local_device, flops.model_peak_kind(config.model.dtype))
         self._throughput = Throughput(setup.tokens_per_step, setup.step_flops(len(setup.devices)), peak, setup.devices)
-        self._profiler = StepProfiler(config.profile, workdir / "tensorboard")  # jax.profiler window, off by default
+        # The jax.profiler window (off by default); in a population one member's reporter traces the program.
+        self._profiler = StepProfiler(config.profile if profile else dataclasses.replace(config.profile, num_steps=0),
+                                      workdir / "tensorboard")
         self._progress = ProgressBar(config.steps, start_step)  # a live bar on a terminal, else nothing
         self._rows: list[dict[str, float]] = []  # per-step host metrics of the open log window
         self._last_train: dict[str, float] = {}
@@ -326,6 +341,7 @@ class Reporter:
             "flops_per_step": self._throughput.flops_per_step, "flops_per_sec": flops_per_sec, "mfu": mfu,
             "compile_seconds": self._throughput.compile_seconds, "compile_cache": self._compile_cache,
             "skipped_updates": self._skipped_updates,
+            "peak_device_bytes": peak_device_bytes(setup.devices),
             "wall_seconds": time.perf_counter() - wall_start,
         }
 

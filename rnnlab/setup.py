@@ -121,7 +121,7 @@ def _check_fits(setup: Setup) -> None:
     evaluated = [task] + [task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len]
     segment = config.data.eval_segment_len
     whole = [t for t in evaluated if segment is None or t.total_len <= segment]  # the rest never exist whole
-    batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in whole]
+    batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in [task, *whole]]
     kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
     longest = max((t.total_len for t in evaluated if t not in whole), default=0)
     if longest:  # the model's state at the longest length run in segments (attention's cache grows with it)

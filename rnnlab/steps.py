@@ -60,6 +60,25 @@ def hyperparameters(config: cfg.Config) -> Hyperparameters:
         momentum=f32(opt.momentum), b1=f32(opt.b1), b2=f32(opt.b2), seed=np.uint32(config.seed))
 
 
+def stack_hyperparameters(configs: Sequence[cfg.Config]) -> Hyperparameters:
+    """The `Hyperparameters` of a population's members, each field with a leading [members] axis."""
+    rows = [hyperparameters(c) for c in configs]
+    return Hyperparameters(*(np.stack(field) for field in zip(*rows)))
+
+
+class PopulationState(NamedTuple):
+    """The train state of a population (`rnnlab.population`): the members' `TrainState`s stacked on a leading
+    [members] axis, and which members still train (on_nonfinite=stop: a member stops updating at its first
+    non-finite loss or gradient norm, while the others go on)."""
+
+    members: Any  # train_state.TrainState, every leaf [members, ...]
+    alive: Any  # bool[members]
+
+    @property
+    def params(self) -> Any:
+        return self.members.params
+
+
 def make_optimizer(config: cfg.OptimizerConfig, total_steps: Any,
                    values: Hyperparameters | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping -> optimizer, with a learning-rate schedule over `total_steps`.
@@ -211,21 +230,27 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
 
 
 def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
-                   examples: int = 0) -> Evaluator:
+                   examples: int = 0, seeds: np.ndarray | None = None) -> Evaluator:
     """The `Evaluator` of `task`: its eval step mapped over `dp` (state replicated, batch sharded ->
     replicated metrics, and with `examples` > 0 sharded outputs of each shard's first examples) and the
     `config.eval_batches` batches of the eval stream at the task's length, drawn once on the devices.
-    One per evaluated length: each eval step compiles on its first call."""
+    One per evaluated length: each eval step compiles on its first call.
+    seeds: a population's (uint32[members]): every member evaluated on its own seed's batches, which carry the
+    member axis second ([B, members, ...], as the outputs do); the metrics gain a leading member axis."""
     out_layouts = (parallel.REPLICATED, parallel.SHARDED) if examples else parallel.REPLICATED
-    p_eval_step = dp.map(functools.partial(eval_step, task=task, examples=examples),
-                         (parallel.REPLICATED, parallel.SHARDED), out_layouts)
+    evaluate = functools.partial(eval_step, task=task, examples=examples)
 
     def sample(step, seed):  # the seed an input: one program for every seed
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         return tasks.sample_batch(task, tasks.stream_key(seed, tasks.EVAL_STREAM), step, first, per_device)
 
+    if seeds is not None:
+        member_evaluate = jax.vmap(evaluate, in_axes=(0, 1), out_axes=(0, 1) if examples else 0)
+        evaluate = lambda state, batch: member_evaluate(state.members, batch)  # noqa: E731
+        sample = jax.vmap(sample, in_axes=(None, 0), out_axes=1)
+    p_eval_step = dp.map(evaluate, (parallel.REPLICATED, parallel.SHARDED), out_layouts)
     sampler = dp.map(sample, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
-    seed = dp.replicate(np.uint32(config.seed))
+    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
     if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
         options = run_once_options(dp.devices[0].platform)
         sampler = sampler.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
@@ -244,12 +269,12 @@ def eval_block_len(segment_len: int, per_device: int) -> int:
 
 
 def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
-                           segment_len: int) -> Evaluator:
+                           segment_len: int, seeds: np.ndarray | None = None) -> Evaluator:
     """The `Evaluator` of `task` run as an RNN (`data.eval_segment_len`): each eval batch, drawn from the same
     keys as `make_evaluator`'s, is evaluated in segments of `segment_len` steps, one after another, the
     model's state and the task's carry (`Task.sample_segment`) going from each to the next and the
     scores summed (`Task.segment_totals`): nothing of the whole length is ever in memory. Its batches are
-    the (batch index, seed) pairs; each segment is drawn on the device."""
+    the (batch index, seed) pairs; each segment is drawn on the device. seeds: a population's, as `make_evaluator`."""
     model = build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
     length = task.total_len
     segment_len = eval_block_len(segment_len, per_device)
@@ -278,9 +303,12 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
         loss, task_metrics = task.metrics_from_totals(carry[2])
         return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
 
+    if seeds is not None:
+        member_evaluate = jax.vmap(evaluate, in_axes=(0, None, 0))
+        evaluate = lambda state, index, seed: member_evaluate(state.members, index, seed)  # noqa: E731
     step = dp.map(lambda state, batch: evaluate(state, *batch), (parallel.REPLICATED, parallel.REPLICATED),
                   parallel.REPLICATED)
-    seed = dp.replicate(np.uint32(config.seed))
+    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
     return Evaluator(step, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)])
 
 
@@ -308,21 +336,26 @@ def _train_batches(config: cfg.Config, task: tasks.Task, per_device: int) -> Cal
     return next_batch
 
 
-def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel) -> Callable:
+def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
+                        seeds: np.ndarray | None = None) -> Callable:
     """`probe(state) -> gradients` (replicated layout): the gradients the next update will apply,
-    before clipping, on its own batch; for `log.histograms_every`. Compiles on its first call."""
+    before clipping, on its own batch; for `log.histograms_every`. Compiles on its first call.
+    seeds: a population's (`PopulationState` in, gradients with a leading member axis out)."""
     next_batch = _train_batches(config, task, per_device)
 
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
+    if seeds is not None:
+        member_gradients = jax.vmap(gradients)
+        gradients = lambda state, seed: member_gradients(state.members, seed)  # noqa: E731
     mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
-    seed = dp.replicate(np.uint32(config.seed))
+    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
     return lambda state: mapped(state, seed)
 
 
 def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
-                  per_device: int, max_steps: int = 1) -> Callable:
+                  per_device: int, max_steps: int = 1, members: Hyperparameters | None = None) -> Callable:
     """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
     its batch drawn on the devices (lengths drawn per example with data.min_seq_len)
     -> (state, f32[max_steps, len(train_metric_names)]),
@@ -338,16 +371,25 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
 
     `dispatch.compile(state)` compiles it ahead of the first call (which then runs that
     executable) and returns XLA's memory analysis of it, so that a step that cannot fit is
-    refused before it runs."""
+    refused before it runs.
+
+    members: a population's stacked `Hyperparameters` (`stack_hyperparameters`): the state is a `PopulationState`,
+    every step runs each member on its own batch with its own numbers (`jax.vmap` over the member axis,
+    beside the device axis), and each row of metrics gains a member axis: f32[..., members, len(names)]."""
     skip = config.on_nonfinite == "skip"
     names = train_metric_names(task, skip)
     next_batch = _train_batches(config, task, per_device)
-    hyper = dp.replicate(hyperparameters(config))
+    hyper = dp.replicate(hyperparameters(config) if members is None else members)
 
     def one_step(state, values):
         tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
         state, metrics = train_step(state, next_batch(state, values.seed), task, schedule, skip, values.seed, tx)
         return state, jnp.stack([metrics[k] for k in names])
+
+    row_shape: tuple[int, ...] = (len(names),)
+    if members is not None:
+        one_step = population_step(one_step, names, stop_diverged=not skip)
+        row_shape = (len(members.lr), len(names))
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)
     if max_steps == 1:
@@ -372,7 +414,7 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
             state, metrics = one_step(state, values)
             return state, rows.at[i].set(metrics)
 
-        return jax.lax.fori_loop(0, n, body, (state, jnp.zeros((max_steps, len(names)), jnp.float32)))
+        return jax.lax.fori_loop(0, n, body, (state, jnp.zeros((max_steps, *row_shape), jnp.float32)))
 
     layouts = (parallel.REPLICATED, parallel.REPLICATED, parallel.REPLICATED)
     mapped = dp.map(steps, layouts, out_layouts, donate_argnums=(0,))
@@ -394,6 +436,29 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     return dispatch
 
 
+def population_step(one_step: Callable, names: Sequence[str], stop_diverged: bool) -> Callable:
+    """`one_step(TrainState, Hyperparameters) -> (TrainState, row)` of one run -> the same for a `PopulationState`
+    and stacked `Hyperparameters` (`jax.vmap` over the members). stop_diverged: a member whose loss or gradient
+    norm is not finite keeps its state from then on (its updates stop, its rows go on being computed: the host
+    stops reading them), as a lone run would stop there."""
+    loss, norm = names.index("loss"), names.index("grad_norm")
+
+    def member(state, alive, values):
+        new, row = one_step(state, values)
+        if stop_diverged:
+            alive = alive & jnp.isfinite(row[loss]) & jnp.isfinite(row[norm])
+            new = jax.tree_util.tree_map(lambda a, b: jnp.where(alive, a, b), new, state)
+        return new, alive, row
+
+    members = jax.vmap(member)
+
+    def step(state, values):
+        new, alive, rows = members(state.members, state.alive, values)
+        return PopulationState(new, alive), rows
+
+    return step
+
+
 def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     """The mean of each key over `rows` (dicts with the same keys); {} for no rows."""
     return {k: float(np.mean([r[k] for r in rows])) for k in rows[0]} if rows else {}
@@ -411,7 +476,7 @@ class Evaluator(NamedTuple):
 class StepFunctions:
     """The compiled functions of a run, each in the replicated layout of `dp` and compiled on its
     first call (the dispatch ahead of it: `dispatch.compile`). Their host reads give NumPy arrays
-    and dicts of floats."""
+    and dicts of floats; a population's (`members` > 0) give one of each per member, in member order."""
 
     dp: parallel.DataParallel
     dispatch: Callable  # make_dispatch's: (state, n <= steps_per_dispatch) -> (state, stacked metrics)
@@ -419,20 +484,25 @@ class StepFunctions:
     metric_names: tuple[str, ...]  # train_metric_names: the columns of the dispatch's metrics
     evaluators: dict[int, Evaluator]  # by eval length: data.seq_len's (the usual eval) first, then data.eval_seq_lens'
     gradient_probe: Callable | None  # make_gradient_probe's, with log.histograms_every > 0
+    members: int = 0  # a population's member count (its state a `PopulationState`); 0: one run
 
-    def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list[dict[str, float]]:
-        """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order. Waits for
-        those dispatches; the copies all start at once."""
+    def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list:
+        """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order (a population: a
+        list of them per member). Waits for those dispatches; the copies all start at once."""
         names = self.metric_names
         host = self.dp.to_host([metrics for _, metrics in dispatches])
-        return [dict(zip(names, map(float, row), strict=True))
-                for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
+        if not self.members:
+            return [dict(zip(names, map(float, row), strict=True))
+                    for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
+        steps = np.concatenate([rows.reshape(-1, self.members, len(names))[:n]
+                                for (n, _), rows in zip(dispatches, host)])
+        return [[dict(zip(names, map(float, row), strict=True)) for row in steps[:, i]] for i in range(self.members)]
 
-    def evaluate(self, state: Any) -> tuple[dict[int, dict[str, float]], tuple[np.ndarray, ...] | None]:
+    def evaluate(self, state: Any) -> tuple[Any, Any]:
         """(mean eval metrics at every evaluated length (keys as `evaluators`), the eval examples): all
         dispatched, then one host read. The examples are (inputs, targets, outputs) of the first examples
         of the usual eval's first batch (the first device's), for tasks whose targets are a symbol per
-        step ([B, T]) where its evaluator returns outputs; else None."""
+        step ([B, T]) where its evaluator returns outputs; else None. A population: a list of both, per member."""
         dispatched = [[evaluator.step(state, batch) for batch in evaluator.batches]
                       for evaluator in self.evaluators.values()]
         usual = next(iter(self.evaluators.values()))
@@ -441,40 +511,55 @@ class StepFunctions:
             shown = (usual.batches[0], dispatched[0][0][1])
             dispatched[0] = [metrics for metrics, _ in dispatched[0]]
         metrics, shown = self.dp.to_host((dispatched, shown))
-        by_length = {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
-                     for n, rows in zip(self.evaluators, metrics)}
+        if not self.members:
+            return self._by_length(metrics), self._examples(shown)
+        member = lambda tree, i, axis=0: jax.tree_util.tree_map(lambda x: np.take(x, i, axis), tree)  # noqa: E731
+        return ([self._by_length(member(metrics, i)) for i in range(self.members)],
+                [self._examples(None if shown is None else (member(shown[0], i, 1), member(shown[1], i, 1)))
+                 for i in range(self.members)])
+
+    def _by_length(self, metrics: Any) -> dict[int, dict[str, float]]:
+        return {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
+                for n, rows in zip(self.evaluators, metrics)}
+
+    @staticmethod
+    def _examples(shown: Any) -> tuple[np.ndarray, ...] | None:
         if shown is None or np.ndim(shown[0].targets) != 2:
-            return by_length, None
+            return None
         batch, outputs = shown
         count = len(outputs)
-        return by_length, (np.asarray(batch.inputs[:count]), np.asarray(batch.targets[:count]), np.asarray(outputs))
+        return np.asarray(batch.inputs[:count]), np.asarray(batch.targets[:count]), np.asarray(outputs)
 
     def param_stats(self, state: Any) -> tuple[Any, Any]:
         """(parameters, the gradients the next update applies), on the host; every process computes the
-        gradients (a collective)."""
+        gradients (a collective). A population's carry a leading member axis."""
         return self.dp.to_host((state.params, self.gradient_probe(state)))
 
 
 def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[jax.Device],
-                        steps_per_dispatch: int, examples: int = 0) -> StepFunctions:
+                        steps_per_dispatch: int, examples: int = 0,
+                        members: Hyperparameters | None = None) -> StepFunctions:
     """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now.
-    examples: how many eval examples the usual eval also returns the outputs of (`StepFunctions.evaluate`)."""
+    examples: how many eval examples the usual eval also returns the outputs of (`StepFunctions.evaluate`).
+    members: a population's stacked `Hyperparameters` (`make_dispatch`); the functions take a `PopulationState`."""
     per_device = config.batch_size // len(devices)
     dp = parallel.DataParallel(devices, config.device.strategy)
-    dispatch = make_dispatch(config, task, dp, per_device, steps_per_dispatch)
+    dispatch = make_dispatch(config, task, dp, per_device, steps_per_dispatch, members)
+    seeds = None if members is None else members.seed
     # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length;
     # a length past data.eval_segment_len in segments, its batches drawn segment by segment as it runs.
     segment = config.data.eval_segment_len
 
     def evaluator(t: tasks.Task, examples: int = 0) -> Evaluator:
         if segment is not None and t.total_len > segment:
-            return make_segment_evaluator(config, t, per_device, dp, segment)
-        return make_evaluator(config, t, per_device, dp, examples)
+            return make_segment_evaluator(config, t, per_device, dp, segment, seeds)
+        return make_evaluator(config, t, per_device, dp, examples, seeds)
 
     evaluators = {task.seq_len: evaluator(task, examples)}
     evaluators |= {n: evaluator(task.with_seq_len(n)) for n in config.data.eval_seq_lens if n != task.seq_len}
     return StepFunctions(
         dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
-        gradient_probe=make_gradient_probe(config, task, per_device, dp) if config.log.histograms_every else None,
+        gradient_probe=make_gradient_probe(config, task, per_device, dp, seeds) if config.log.histograms_every else None,
+        members=0 if members is None else len(members.lr),
     )

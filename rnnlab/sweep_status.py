@@ -24,9 +24,26 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from rnnlab.board import override_key
+
+SWEPT_KEYS_ENV = "RNNLAB_SWEPT_KEYS"  # train.py -> the sweep's jobs (launcher workers inherit it): the swept keys
 STATUS_DIR = ".sweep_status"  # in the sweep dir; rewritten at each start of the sweep (a rerun resumes)
+
+
+def varied_overrides(hydra_node: DictConfig) -> list[str]:
+    """The overrides of a sweep job that its sweep varies (`model=gru`, not the `steps=600` every job
+    shares): keys the command line sweeps (SWEPT_KEYS_ENV, which the launchers' worker processes
+    inherit) or hydra.sweeper.params lists. Outside a sweep, or if none is found, all of them."""
+    overrides = list(hydra_node.overrides.task)
+    if hydra_node.mode != RunMode.MULTIRUN:
+        return overrides
+    swept = {*filter(None, os.environ.get(SWEPT_KEYS_ENV, "").split(",")),
+             *map(override_key, OmegaConf.select(hydra_node, "sweeper.params") or {})}
+    varied = [o for o in overrides if override_key(o) in swept]
+    return varied or overrides
 
 
 def time_left(seconds: float | None) -> str:

@@ -56,25 +56,26 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
         cleanup.callback(checkpointer.close)  # on any failure: Orbax's threads end, the process can exit
         try:
             setup = plan(config, workdir, devices, checkpointer)
-            state, start_step = _restore_or_init(setup, checkpointer)
+            state, start_step = restore_or_init(setup, checkpointer)
             fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
             reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied)
             cleanup.callback(reporter.close)
             num_params = count_params(state.params)
             state = fns.dp.replicate(state)
-            memory.check_step_fits(_compile(fns, reporter, state, cache), setup.devices, config)
+            memory.check_step_fits(compile_dispatch(fns, reporter, state, cache), setup.devices, config)
         except Exception as e:
             if memory.is_out_of_memory(e):
                 raise memory.out_of_memory_error(e, config) from None
             raise
         reporter.log_start(num_params)
         outcome = train_loop(config, fns, reporter, checkpointer, state, start_step)
-        return _results(reporter, outcome, num_params, wall_start)
+        return finish_results(reporter, outcome, num_params, wall_start)
 
 
-def _restore_or_init(setup: Setup, checkpointer: Checkpointer) -> tuple[Any, int]:
-    """(unreplicated state, its step), in the restore order above. Either way the run record (config,
-    accepted changes) that later checkpoints carry is kept; process 0 writes the model summary first."""
+def restore_or_init(setup: Setup, checkpointer: Checkpointer, at_most: int | None = None) -> tuple[Any, int]:
+    """(unreplicated state, its step), in the restore order above (at step `at_most` or before, if given).
+    Either way the run record (config, accepted changes) that later checkpoints carry is kept; process 0
+    writes the model summary first."""
     if setup.primary:
         summary = summary_table(setup.model, setup.example_inputs())
         (setup.workdir / "model_summary.txt").write_text(summary)
@@ -82,7 +83,7 @@ def _restore_or_init(setup: Setup, checkpointer: Checkpointer) -> tuple[Any, int
     state = setup.init_state()
     now = run_record(setup.config, setup.task, len(setup.devices), setup.steps_per_dispatch)
     record = {"run_config": now, "config_history": []}
-    restored = checkpointer.restore_latest(state)
+    restored = checkpointer.restore_latest(state, at_most)
     if restored is not None:
         state, step, saved = restored
         record, changes = resumed_record(saved, now, setup.config.checkpoint.allow_changes, step)
@@ -94,7 +95,7 @@ def _restore_or_init(setup: Setup, checkpointer: Checkpointer) -> tuple[Any, int
     return state, int(state.step)
 
 
-def _compile(fns: StepFunctions, reporter: Reporter, state: Any, cache: compile_cache.CacheUse | None) -> Any:
+def compile_dispatch(fns: StepFunctions, reporter: Reporter, state: Any, cache: compile_cache.CacheUse | None) -> Any:
     """Compile the train dispatch ahead of its first call (or load it from the persistent cache: the reporter
     is told which); returns XLA's memory analysis of it (for `memory.check_step_fits`: it must fit beside
     the already resident state). With several processes the first call compiles it (an ahead-of-time
@@ -113,7 +114,7 @@ def _compile(fns: StepFunctions, reporter: Reporter, state: Any, cache: compile_
     return stats
 
 
-def _results(reporter: Reporter, outcome: Outcome, num_params: int, wall_start: float) -> dict[str, Any]:
+def finish_results(reporter: Reporter, outcome: Outcome, num_params: int, wall_start: float) -> dict[str, Any]:
     """results.json whatever happened (as far as the disk allows); then the error that stopped the
     loop is raised, or the last line logged and the dict returned."""
     results = reporter.results(outcome.status, outcome.step, num_params, wall_start, outcome.error)

@@ -5,7 +5,7 @@
 # loading the first one's compiled step from the persistent cache), stopped cleanly at a deadline. The settings run in
 # the order below, the ones the papers disagree on first (Merrill et al.'s LSTM, Siems et al.'s DeltaProduct n_h = 3,
 # Grazzi et al.'s switch on Mamba and DeltaNet, Beck et al.'s sLSTM): what a 15-minute lease does not reach is left
-# for the next. There is no population launcher yet: the jobs are separate processes.
+# for the next. The jobs are separate processes (scripts/gpu_population.sh runs S5 with the population launcher).
 # Wheels for a GPU Python without Hydra: as scripts/gpu_round.sh (.whl/). Results go to $OUT.
 #   bash scripts/gpu_state_tracking.sh             # a 15-minute lease (BUDGET=780 seconds of it)
 #   SMALL=1 bash scripts/gpu_state_tracking.sh     # tiny sizes: checks the script on a CPU in a few minutes

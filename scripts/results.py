@@ -338,28 +338,55 @@ DIAGONAL = ("mamba", "mamba2")  # diagonal (or scalar) transitions: they commute
 
 def finding(task_key: str, setting: tuple[tuple[str, str], ...]) -> str:
     """The papers' finding for a parity or S3 setting, in a phrase ("" where none is recalled)."""
+    return claim(task_key, setting)[0]
+
+
+def claim(task_key: str, setting: tuple[tuple[str, str], ...]) -> tuple[str, bool | None]:
+    """(the papers' finding for a parity or S3 setting, whether it says the model solves the task at every
+    length (True) or not beyond the training length (False); ("", None) where none is recalled)."""
     keys = dict(setting)
     cell, switch = keys.get("model", ""), keys.get("model.allow_neg_eigval") == "true"
     householders = int(keys.get("model.num_householder", 2 if cell == "deltaproduct" else 1))
     if cell == "lstm":
-        return "Merrill et al.: any length" if task_key == "s3" else "Deletang et al.: any length"
+        return ("Merrill et al.: any length" if task_key == "s3" else "Deletang et al.: any length"), True
     if cell == "slstm":
-        return "Beck et al.: state tracking (memory mixing)"
+        return "Beck et al.: state tracking (memory mixing)", True
     if cell == "mlstm":
-        return "Beck et al.: no state tracking (no memory mixing)"
+        return "Beck et al.: no state tracking (no memory mixing)", False
     if cell not in SWITCH_CELLS:
-        return ""
+        return "", None
     if not switch:
-        return "Grazzi et al.: not with [0, 1] eigenvalues"
+        return "Grazzi et al.: not with [0, 1] eigenvalues", False
     if task_key == "parity":
-        return "Grazzi et al.: parity with [-1, 1]"
+        return "Grazzi et al.: parity with [-1, 1]", True
     if cell in DIAGONAL:
-        return "Grazzi et al.: no (diagonal transitions commute; S3 does not)"
+        return "Grazzi et al.: no (diagonal transitions commute; S3 does not)", False
     if cell == "rwkv7":
-        return ""
+        return "", None
     if householders >= 2:
-        return f"Siems et al.: S3 in one layer from n_h = 2 (here {householders})"
-    return "Siems et al.: one layer needs n_h >= 2; Grazzi et al.: more layers help"
+        return f"Siems et al.: S3 in one layer from n_h = 2 (here {householders})", True
+    return "Siems et al.: one layer needs n_h >= 2; Grazzi et al.: more layers help", False
+
+
+SOLVED = 0.9  # a length counts as solved where the seeds' mean accuracy reaches this
+
+
+def verdict(row: Row, task: Task, lengths: list[int]) -> str:
+    """Whether the row agrees with its papers' claim (`claim`): a claim that the model solves the task holds
+    where every evaluated length is solved (mean >= SOLVED), one that it does not where the longest is not."""
+    expect = claim(task.key, row.setting)[1]
+    means = {n: row.stats(n)[0] for n in lengths}
+    if expect is None or any(means[n] is None for n in lengths):
+        return "-"
+    longest, solved = max(lengths), [n for n in lengths if means[n] >= SOLVED]
+    if not expect:
+        return "agrees" if means[longest] < SOLVED else f"disagrees: {fmt(means[longest])} at {longest}"
+    if means[longest] >= SOLVED and len(solved) == len(lengths):
+        return "agrees"
+    seeds = sum(1 for j in row.chosen if (j.by_len.get(task.train_len) or 0) >= SOLVED)
+    if means[task.train_len] >= SOLVED:
+        return f"partly: solved to {max(solved)}, {fmt(means[longest])} at {longest}"
+    return f"disagrees: {fmt(means[task.train_len])} at {task.train_len} ({seeds} of {len(row.chosen)} seeds solve it)"
 
 
 def joined(values: list[str]) -> str:
@@ -403,14 +430,15 @@ def table(rows: list[Row], task: Task, outside: bool) -> list[str]:
     papers = task.key in ("parity", "s3")
     head = ["setting", *(["why outside"] * outside),
             *(f"{task.metric}@{n}" + (" (train)" if n == task.train_len else "") for n in lengths),
-            "lr", "seeds", f"seed 0 @{task.train_len}: {grid}", *(["the papers"] * papers), "tokens/s", "machine",
+            "lr", "seeds", f"seed 0 @{task.train_len}: {grid}", *(["the papers", "agrees?"] * papers), "tokens/s",
+            "machine",
             "date", "commit", "jobs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         rate = zoo_protocol.mean_and_spread([j.tokens_per_sec for j in r.chosen])[0]
         cells = [label(r.setting, len(experiments) > 1), *([r.outside] * outside),
                  *(value_cell(r, n) for n in lengths), lr_text(r.choice.lr) if r.choice.best else "none",
-                 str(len(r.chosen)), grid_cell(r, task), *([finding(task.key, r.setting) or "-"] * papers),
+                 str(len(r.chosen)), grid_cell(r, task), *([finding(task.key, r.setting) or "-", verdict(r, task, lengths)] * papers),
                  fmt(rate, ",") if rate is not None else NOT_RECORDED,
                  *(joined([getattr(j, key) for j in r.jobs]) for key in ("machine", "date", "commit")),
                  ", ".join(f"[{s}]({s})" for s in dict.fromkeys(j.source for j in r.jobs))]
@@ -475,7 +503,10 @@ def section(task: Task, rows: list[Row], docs: Path) -> list[str]:
             lines += ["", "The papers' column: what Grazzi et al. (2025), Siems et al. (2025), Merrill et al. (2024), "
                       "Deletang et al. (2023) and Beck et al. (2024) report for such a model, as recalled in "
                       "[the history file](" + HISTORY + "#" + slug("The state-tracking zoo at CPU scale: a one-lr, one-seed subset") + "), not "
-                      "re-read: their arguments, not their tables; where a row disagrees, the row is the measurement."]
+                      "re-read: their arguments, not their tables; where a row disagrees, the row is the measurement. "
+                      f"\"agrees?\": a claim that the model solves the task holds where the seeds' mean reaches {SOLVED} at "
+                      "every evaluated length, one that it does not where the longest stays below it; \"partly\": "
+                      "solved at the training length but not at every longer one."]
         return lines
     reasons = collections.Counter(r.outside for r in rows)
     why = (f"{len(rows)} setting(s) have rows, all outside the protocol ("

@@ -1,0 +1,218 @@
+"""`hydra/launcher=population`: a sweep's jobs that differ only in the keys the compiled step takes as values
+(`hydra.launcher.member_keys`, by default the lr and the seed) run as one program (`rnnlab.population`).
+
+Each job keeps what Hydra's basic launcher gives it: its run dir and `.hydra/`, its callbacks (the sweep's
+status line, one per finished job), its train.log (the lines of its own run, and those of the population it
+trained in), its results.json and exit status; the program's own console (model summaries, XLA's lines)
+goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else train in separate
+populations, one after another. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
+on the path).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, _save_config, configure_log, setup_globals
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from rnnlab.metrics import JobFailed, write_failure
+from rnnlab.sweep_status import job_output_to, varied_overrides
+
+log = logging.getLogger(__name__)
+
+# train.py's exit codes (its docstring): bad input, diverged, the run dir not writable, preempted, a bug.
+EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CANNOT_WRITE, EXIT_PREEMPTED = 1, 2, 3, 74, 75
+
+
+class _Job:
+    """One job of the sweep, set up as Hydra's `run_job` sets one up, up to calling the task."""
+
+    def __init__(self, launcher: Any, overrides: Sequence[str], num: int):
+        config = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        with open_dict(config):
+            config.hydra.job.id = num
+            config.hydra.job.num = num
+        HydraConfig.instance().set_config(config)
+        output_dir = Path(str(OmegaConf.select(config, "hydra.sweep.dir"))) / str(OmegaConf.select(config, "hydra.sweep.subdir"))
+        with read_write(config.hydra.runtime), open_dict(config.hydra.runtime):
+            config.hydra.runtime.output_dir = os.path.abspath(output_dir)
+        HydraConfig.instance().set_config(config)
+        self.config, self.num, self.started = config, num, time.time()
+        self.task_cfg = copy.deepcopy(config)
+        with read_write(self.task_cfg), open_dict(self.task_cfg):
+            del self.task_cfg["hydra"]
+        self.hydra_cfg = copy.deepcopy(HydraConfig.instance().cfg)
+        self.overrides = list(config.hydra.overrides.task)
+        self.varied = varied_overrides(config.hydra)
+        self.output_dir = Path(config.hydra.runtime.output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        if config.hydra.output_subdir is not None:
+            hydra_output = self.output_dir / str(config.hydra.output_subdir)
+            _save_config(self.task_cfg, "config.yaml", hydra_output)
+            _save_config(self.hydra_cfg, "hydra.yaml", hydra_output)
+            _save_config(config.hydra.overrides.task, "overrides.yaml", hydra_output)
+        self.log_file = self.output_dir / f"{config.hydra.job.name}.log"
+        self.rnnlab_config: Any = None
+        self.error: JobFailed | None = None
+
+    def fail(self, message: str, code: int) -> None:
+        """This job failed (before or while it trained): results.json says so, and Hydra's sweeper gets JobFailed."""
+        logging.getLogger("rnnlab").error("job %d failed (%s): %s", self.num, " ".join(self.overrides), message)
+        write_failure(self.output_dir / "results.json", message, code, self.overrides, self.started)
+        self.error = JobFailed(f"job {self.num} ({' '.join(self.overrides)}): {message}", code)
+
+    def job_return(self, value: Any) -> JobReturn:
+        ret = JobReturn(overrides=self.overrides, cfg=self.task_cfg, hydra_cfg=self.hydra_cfg,
+                        working_dir=os.getcwd(), task_name=str(self.config.hydra.job.name))
+        ret.status = JobStatus.FAILED if self.error is not None else JobStatus.COMPLETED
+        ret.return_value = self.error if self.error is not None else value
+        return ret
+
+
+def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
+    """The population launcher's `launch`: every job set up in order, grouped into populations, each trained."""
+    from rnnlab.population import MEMBER_KEYS
+
+    setup_globals()
+    configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    member_keys = list(launcher.member_keys)
+    unknown = [k for k in member_keys if k not in MEMBER_KEYS]
+    if unknown:
+        raise HydraException(f"key 'hydra.launcher.member_keys': got {unknown[0]!r}, allowed: {', '.join(MEMBER_KEYS)}")
+    max_members = launcher.max_members
+    if max_members is not None and int(max_members) < 1:
+        raise HydraException(f"key 'hydra.launcher.max_members': got {max_members}, allowed: null or an integer >= 1")
+    Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    saved_hydra = HydraConfig.instance().cfg
+    try:
+        jobs = [_Job(launcher, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
+    finally:
+        HydraConfig.instance().cfg = saved_hydra
+    groups = _groups(jobs, member_keys, None if max_members is None else int(max_members))
+    log.info("Launching %d jobs as %d population(s) (members differ in %s)", len(jobs), len(groups),
+             ", ".join(member_keys))
+    results: dict[int, Any] = {}
+    for group in groups:
+        results |= _run_population(launcher, group)
+        configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    return [job.job_return(results.get(job.num)) for job in jobs]
+
+
+def _groups(jobs: list[_Job], member_keys: list[str], max_members: int | None) -> list[list[_Job]]:
+    """The jobs whose configs are equal but for `member_keys`, in sweep order, at most `max_members` together.
+    A job whose config is refused fails here (exit 2's line in its results.json), before anything compiles."""
+    from rnnlab.config import ConfigError, from_omegaconf
+    from rnnlab.population import population_key
+
+    groups: dict[Any, list[_Job]] = {}
+    for job in jobs:
+        try:
+            job.rnnlab_config = from_omegaconf(job.task_cfg)
+        except ConfigError as e:
+            job.fail(str(e), EXIT_BAD_INPUT)
+            continue
+        groups.setdefault(population_key(job.rnnlab_config, member_keys), []).append(job)
+    size = max_members or max(len(jobs), 1)
+    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+
+
+def _member_handlers(jobs: list[_Job]) -> list[logging.Handler]:
+    """Each job's train.log, with the lines of its own member and those of the whole population."""
+    from rnnlab.population import MemberFilter
+
+    file_format = OmegaConf.select(jobs[0].config, "hydra.job_logging.formatters.file.format",
+                                   default="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    handlers = []
+    for i, job in enumerate(jobs):
+        handler = logging.FileHandler(job.log_file)
+        handler.setFormatter(logging.Formatter(file_format))
+        handler.addFilter(MemberFilter(i))
+        handlers.append(handler)
+    return handlers
+
+
+def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
+    """Train one population; returns each job's eval loss by job number (its failure, if any, on the job)."""
+    from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
+    from rnnlab.config import ConfigError
+    from rnnlab.population import Member, train_population
+    from rnnlab.report import NonFiniteLossError
+
+    callbacks = launcher.hydra_context.callbacks
+    for job in jobs:
+        HydraConfig.instance().set_config(job.config)
+        callbacks.on_job_start(config=job.config, task_function=launcher.task_function)
+    root = logging.getLogger()
+    handlers = _member_handlers(jobs)
+    for handler in handlers:
+        root.addHandler(handler)
+    level = root.level
+    root.setLevel(logging.INFO)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax: every file it writes at INFO
+    members = [Member(job.rnnlab_config, job.output_dir, tuple(job.overrides), tuple(job.varied)) for job in jobs]
+    outcome: list | BaseException
+    sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
+    console = OmegaConf.select(jobs[0].config, "log.sweep_console", default=False) is True
+    try:
+        if console:
+            outcome = _train(train_population, members)
+        else:
+            with job_output_to(sweep_dir / f"population_{jobs[0].num}.log"):
+                outcome = _train(train_population, members)
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
+            handler.close()
+        root.setLevel(level)
+    values: dict[int, Any] = {}
+    preempted = None
+    if isinstance(outcome, BaseException):
+        e = outcome
+        code = (EXIT_BAD_INPUT if isinstance(e, (ConfigError, CheckpointError)) else
+                EXIT_CANNOT_WRITE if isinstance(e, (CheckpointSaveError, OSError)) else EXIT_BUG)
+        message = str(e) if code == EXIT_BAD_INPUT else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        for job in jobs:
+            job.fail(message, code)
+    else:
+        for job, (results, error) in zip(jobs, outcome):
+            if results["status"] == "preempted":
+                preempted = results["step"]
+            elif isinstance(error, NonFiniteLossError):
+                job.fail(str(error), EXIT_DIVERGED)
+            elif isinstance(error, KeyboardInterrupt):
+                raise error
+            elif error is not None:
+                code = EXIT_CANNOT_WRITE if isinstance(error, (CheckpointSaveError, OSError)) else EXIT_BUG
+                job.fail(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}", code)
+            values[job.num] = results.get("eval_loss")
+    if preempted is not None:
+        logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", preempted)
+        raise SystemExit(EXIT_PREEMPTED)
+    _flush_loggers()
+    for job in jobs:
+        HydraConfig.instance().set_config(job.config)
+        callbacks.on_job_end(config=job.config, job_return=job.job_return(values.get(job.num)))
+    return values
+
+
+def _train(train_population: Any, members: list) -> list | BaseException:
+    """`train_population(members)`, or what it raised (a bug's traceback goes to every member's train.log)."""
+    try:
+        return train_population(members)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - every member fails with it; the sweeper re-raises the first
+        from rnnlab.checkpoint import CheckpointError
+        from rnnlab.config import ConfigError
+
+        if not isinstance(e, (ConfigError, CheckpointError)):
+            logging.getLogger("rnnlab").exception("the population crashed")
+        return e

@@ -1,0 +1,229 @@
+"""A grid as one program (rnnlab.population, hydra/launcher=population): every member ends as its own run
+ends (its results.json, checkpoints and TensorBoard run against `train_and_evaluate`'s, the independent
+reference here), a diverged member stops alone, a rerun resumes every member at the step all of them saved,
+and the launcher writes the run dirs the basic launcher writes."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from conftest import ROOT, TINY, run_train, saved_state, tiny_config, train_env
+
+BASE = ["model=gru", "data=parity", "steps=8", "checkpoint.every=4", "eval_every=4", "log_every=2"]
+GRID = [("optimizer.lr=1e-3", "seed=0"), ("optimizer.lr=3e-3", "seed=1"), ("optimizer.lr=1e-2", "seed=0")]
+RESULT_KEYS = ("status", "step", "task", "eval_metric_name", "num_params", "tokens_per_step", "num_devices")
+CLOSE_KEYS = ("train_loss", "eval_loss", "eval_metric")
+
+
+def members(tmp_path, grid, *extra):
+    from rnnlab.population import Member
+
+    return [Member(tiny_config(*BASE, *extra, *g), tmp_path / f"member{i}", g, g) for i, g in enumerate(grid)]
+
+
+def alone(tmp_path, grid, *extra):
+    """Each member's results.json as `train_and_evaluate` writes it for the member alone."""
+    from rnnlab.report import NonFiniteLossError
+    from rnnlab.trainer import train_and_evaluate
+
+    out = []
+    for i, g in enumerate(grid):
+        workdir = tmp_path / f"alone{i}"
+        try:
+            train_and_evaluate(tiny_config(*BASE, *extra, *g), workdir, g, g)
+        except NonFiniteLossError:
+            pass
+        out.append(json.loads((workdir / "results.json").read_text()))
+    return out
+
+
+def assert_same_results(a, b, rtol=1e-5):
+    for key in RESULT_KEYS:
+        assert a[key] == b[key], key
+    for key in CLOSE_KEYS:
+        np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=key)
+    for n, metrics in b["eval_by_len"].items():
+        for name, value in metrics.items():
+            np.testing.assert_allclose(a["eval_by_len"][n][name], value, rtol=rtol, err_msg=f"{n} {name}")
+
+
+def leaves(tree):
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def scalars(run_dir, tag):
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+@pytest.mark.parametrize("extra", [
+    pytest.param(("device.num_devices=2",), id="pmap-2-devices"),
+    pytest.param(("device.num_devices=2", "device.strategy=shard_map", "data.eval_seq_lens=[6,12]",
+                  "data.eval_segment_len=4", "log.histograms_every=4"), id="shard_map-segments-histograms",
+                 marks=pytest.mark.slow),
+    pytest.param(("data=copy", "data.seq_len=12", "model=lstm"), id="copy-examples", marks=pytest.mark.slow),
+])
+def test_each_member_ends_as_its_own_run(tmp_path, extra):
+    from rnnlab.population import train_population
+
+    population = members(tmp_path, GRID, *extra)
+    outcome = train_population(population)
+    for member, (results, error), single in zip(population, outcome, alone(tmp_path, GRID, *extra)):
+        assert error is None
+        assert json.loads((member.workdir / "results.json").read_text()) == json.loads(json.dumps(results))
+        assert_same_results(results, single)
+        i = population.index(member)
+        mine, its = saved_state(member.workdir, 8), saved_state(tmp_path / f"alone{i}", 8)
+        for x, y in zip(leaves(mine), leaves(its)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        for tag in ("train/loss", "eval/loss"):
+            got, want = scalars(member.workdir, tag), scalars(tmp_path / f"alone{i}", tag)
+            assert [s for s, _ in got] == [s for s, _ in want]
+            np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
+        if "log.histograms_every=4" in extra:
+            assert scalars(member.workdir, "grad_norm/" + scalars_tag(member.workdir))
+        assert (member.workdir / "model_summary.txt").is_file()
+
+
+def scalars_tag(run_dir):
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return next(t for t in events.Tags()["scalars"] if t.startswith("grad_norm/")).split("/", 1)[1]
+
+
+def test_a_diverged_member_stops_alone_where_its_run_stops(tmp_path):
+    from rnnlab.population import train_population
+    from rnnlab.report import NonFiniteLossError
+
+    grid = [("optimizer.lr=1e-3", "seed=0"), ("optimizer.lr=1e38", "seed=0")]
+    extra = ("optimizer.clip_norm=0",)
+    outcome = train_population(members(tmp_path, grid, *extra))
+    single = alone(tmp_path, grid, *extra)
+    assert single[1]["status"] == "diverged"  # the grid's second lr diverges alone too
+    (ok, ok_error), (bad, bad_error) = outcome
+    assert ok_error is None and bad["status"] == "diverged" and isinstance(bad_error, NonFiniteLossError)
+    assert bad["step"] == single[1]["step"] and bad["error"] == single[1]["error"]
+    assert_same_results(ok, single[0])
+    # No checkpoint at or after the step where it diverged, as for the run alone.
+    saved = sorted(int(p.name) for p in (tmp_path / "member1" / "checkpoints").iterdir() if p.name.isdigit())
+    assert all(step < bad["step"] for step in saved)
+
+
+@pytest.mark.slow
+def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, caplog):
+    """As after a SIGKILL between the members' saves: one member lacks the newest checkpoint."""
+    from rnnlab.population import train_population
+
+    population = members(tmp_path, GRID[:2])
+    train_population(population)
+    finished = [saved_state(m.workdir, 8) for m in population]
+    shutil.rmtree(population[0].workdir / "checkpoints" / "8")
+    with caplog.at_level("INFO"):
+        outcome = train_population(population)
+    assert [(r["status"], r["step"]) for r, _ in outcome] == [("completed", 8), ("completed", 8)]
+    assert f"deleted checkpoint {population[1].workdir / 'checkpoints' / '8'}: training resumes from step 4" \
+        in caplog.text
+    for member, before in zip(population, finished):
+        for x, y in zip(leaves(saved_state(member.workdir, 8)), leaves(before)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_members_that_differ_in_the_program_are_refused(tmp_path):
+    from rnnlab.config import ConfigError
+    from rnnlab.population import Member, check_members
+
+    a = Member(tiny_config(*BASE), tmp_path / "a")
+    for other, key in ((("hidden_dim=16",), "hidden_dim"), (("optimizer.clip_norm=0",), "optimizer.clip_norm"),
+                       (("steps=9",), "steps")):
+        with pytest.raises(ConfigError, match=f"key '{key}"):
+            check_members([a, Member(tiny_config(*BASE, *other), tmp_path / "b")])
+
+
+def test_a_population_that_cannot_fit_says_how_many_members_would(tmp_path, monkeypatch):
+    from rnnlab import memory
+    from rnnlab.population import train_population
+
+    # A step of 3 GiB for 3 members (1 GiB each) where 2.5 GiB is free: 2 would fit.
+    stats = type("Stats", (), {"temp_size_in_bytes": 3 * 2**30, "output_size_in_bytes": 0, "alias_size_in_bytes": 0})()
+    monkeypatch.setattr(memory, "free_bytes", lambda devices: 2.5 * 2**30)
+    gpu = type("Device", (), {"platform": "gpu"})()
+    with pytest.raises(memory.OutOfMemoryError, match=r"population of 3 members .* about 2 member\(s\) fit"):
+        memory.check_population_fits(stats, 0.0, 3, [gpu], tiny_config(*BASE))
+    monkeypatch.setattr(memory, "free_bytes", lambda devices: 4 * 2**30)
+    memory.check_population_fits(stats, 0.0, 3, [gpu], tiny_config(*BASE))  # fits: no error
+
+
+SWEEP = [o for o in TINY if not o.startswith(("steps", "checkpoint.every", "eval_every"))] + [
+    "model=gru", "data=parity", "optimizer.lr=1e-3,3e-3", "seed=0,1"]
+
+
+def run_dirs(sweep_dir):
+    return sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name[0].isdigit())
+
+
+@pytest.mark.slow
+def test_the_launcher_writes_what_the_basic_launcher_writes(tmp_path):
+    common = ["-m", *SWEEP, "steps=12", "eval_every=6", "checkpoint.every=6"]
+    population = run_train([*common, "hydra/launcher=population", f"hydra.sweep.dir={tmp_path / 'population'}"],
+                           cwd=tmp_path)
+    basic = run_train([*common, f"hydra.sweep.dir={tmp_path / 'basic'}"], cwd=tmp_path)
+    assert population.returncode == 0 and basic.returncode == 0, population.stderr[-2000:]
+    # The terminal: the status lines, none of the jobs' own lines.
+    assert "[4/4] 0 running, 0 left, 0 failed" in population.stdout and "step 12/12" not in population.stdout
+    mine, theirs = run_dirs(tmp_path / "population"), run_dirs(tmp_path / "basic")
+    assert [p.name for p in mine] == [p.name for p in theirs] and len(mine) == 4
+    for a, b in zip(mine, theirs):
+        assert_same_results(json.loads((a / "results.json").read_text()), json.loads((b / "results.json").read_text()))
+        assert (a / ".hydra" / "overrides.yaml").read_text() == (b / ".hydra" / "overrides.yaml").read_text()
+        assert "step 12/12" in (a / "train.log").read_text()
+
+
+def start_and_stop(command, sweep_dir, at_step, signum, cwd):
+    """Start the sweep, send `signum` once a member has saved a checkpoint at `at_step` or later; its exit code."""
+    proc = subprocess.Popen(command, cwd=cwd, env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        saved = [int(p.name) for d in sweep_dir.glob("*/checkpoints") for p in d.iterdir() if p.name.isdigit()]
+        if saved and max(saved) >= at_step:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    return proc.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigkill_then_the_same_command_ends_as_an_uninterrupted_population(tmp_path):
+    common = ["-m", *SWEEP, "steps=1000", "eval_every=500", "checkpoint.every=10", "log_every=10",
+              "hydra/launcher=population"]
+    killed = tmp_path / "killed"
+    command = [sys.executable, str(ROOT / "train.py"), *common, f"hydra.sweep.dir={killed}"]
+    assert start_and_stop(command, killed, 50, signal.SIGTERM, tmp_path) == 75  # every member saved, then exit 75
+    stopped = [json.loads((d / "results.json").read_text()) for d in run_dirs(killed)]
+    assert {r["status"] for r in stopped} == {"preempted"} and len({r["step"] for r in stopped}) == 1
+    assert all((d / "checkpoints" / str(stopped[0]["step"])).is_dir() for d in run_dirs(killed))
+    assert start_and_stop(command, killed, stopped[0]["step"] + 50, signal.SIGKILL, tmp_path) == -signal.SIGKILL
+    assert run_train([*common, f"hydra.sweep.dir={killed}"], cwd=tmp_path).returncode == 0
+    whole = run_train([*common, f"hydra.sweep.dir={tmp_path / 'whole'}"], cwd=tmp_path)
+    assert whole.returncode == 0
+    for a, b in zip(run_dirs(killed), run_dirs(tmp_path / "whole")):
+        assert json.loads((a / "results.json").read_text())["status"] == "completed"
+        for x, y in zip(leaves(saved_state(a, 1000)), leaves(saved_state(b, 1000))):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_bad_launcher_keys_exit_2_with_one_line(tmp_path):
+    proc = run_train(["-m", *SWEEP, "hydra/launcher=population", "hydra.launcher.member_keys=[model]",
+                      f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "key 'hydra.launcher.member_keys': got 'model', allowed: optimizer.lr, seed" in proc.stderr
