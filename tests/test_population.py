@@ -227,3 +227,19 @@ def test_bad_launcher_keys_exit_2_with_one_line(tmp_path):
                       f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "key 'hydra.launcher.member_keys': got 'model', allowed: optimizer.lr, seed" in proc.stderr
+
+
+@pytest.mark.slow
+def test_the_device_check_runs_at_a_toy_size(tmp_path):
+    """scripts/bench_population.py, as scripts/gpu_population.sh runs it on a device, at a toy size on the CPU."""
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_population.py"), "--toy", "--cells", "gru",
+                           "--lrs", "1e-3", "3e-3", "--seeds", "2", "--steps", "10", "--launchers", "population", "basic",
+                           "--out", str(tmp_path / "runs"), "--json", str(out)],
+                          cwd=tmp_path, env=train_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["launcher"], r["jobs"], r["train_step_compiles"]) for r in rows] == [("population", 4, 1), ("basic", 4, 4)]
+    np.testing.assert_allclose(rows[0]["eval_losses"], rows[1]["eval_losses"], rtol=1e-5)
+    assert all(r["steps_per_sec_per_member"] > 0 and r["wall_seconds"] > 0 for r in rows)
+    assert "| gru | population | 4 |" in proc.stdout
