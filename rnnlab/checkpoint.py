@@ -176,6 +176,12 @@ class Checkpointer:
             log.debug("closing the checkpoint manager: %s", e)
 
 
+def saved_steps(directory: Path) -> set[int]:
+    """The steps Orbax has completed in `directory` (a run dir's checkpoints/), read from its folder names
+    without opening anything."""
+    return {int(p.name) for p in Path(directory).glob("*") if p.name.isdigit() and p.is_dir()}
+
+
 def _first_line(error: Exception) -> str:
     """An Orbax or tensorstore error's first line (they run to pages), or its type if it has no text."""
     text = str(error).strip()

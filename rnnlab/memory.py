@@ -121,21 +121,24 @@ def check_step_fits(stats: Any, devices: Sequence[jax.Device], config: Config) -
 def check_population_fits(stats: Any, state_bytes: float, members: int, devices: Sequence[jax.Device],
                           config: Config) -> None:
     """OutOfMemoryError naming how many members would fit, if a population's compiled step (`stats`, for all
-    `members`; None: unknown, passes) cannot fit beside its train states (`state_bytes` for all, already
-    resident). A member's share of either is taken as 1/members of it."""
+    `members` on one device; None: unknown, passes) cannot fit beside its train states (`state_bytes` for all,
+    already resident). A member's share of either is taken as 1/members of it; on CPU the local devices share
+    the host's memory."""
     if stats is None:
         return
     free = free_bytes(devices)
-    step = compiled_bytes(stats)
+    local = sum(d.process_index == jax.process_index() for d in devices) if devices[0].platform == "cpu" else 1
+    step = compiled_bytes(stats) * local
     if free is None or step <= free:
         return
     per_member = (step + state_bytes) / members
-    fit = int((free + state_bytes) // per_member) if per_member else members
+    fit = int((free + state_bytes) // per_member)
+    advice = (f"about {fit} member(s) fit (hydra.launcher.max_members={fit} trains the grid in groups of that size)"
+              if fit else "not one member fits (lower hidden_dim, num_layers, batch_size or data.seq_len)")
     raise OutOfMemoryError(
         f"key 'hydra/launcher': a population of {members} members would take about {(step + state_bytes) / GiB:.3g} GiB, "
-        f"but {(free + state_bytes) / GiB:.3g} GiB of {devices[0].platform} memory is free: about {fit} member(s) fit "
-        f"(hydra.launcher.max_members={max(fit, 1)} trains the grid in groups of that size; allowed: "
-        f"hydra/launcher=basic|parallel|population)")
+        f"but {(free + state_bytes) / GiB:.3g} GiB of {devices[0].platform} memory is free: {advice}; allowed: "
+        f"hydra/launcher=basic|parallel|population")
 
 
 def compiled_bytes(stats: Any) -> float:

@@ -26,7 +26,7 @@ import numpy as np
 
 from rnnlab import config as cfg
 from rnnlab import compile_cache, memory, parallel
-from rnnlab.checkpoint import Checkpointer, CheckpointSaveError
+from rnnlab.checkpoint import CheckpointError, Checkpointer, CheckpointSaveError
 from rnnlab.loop import train_loop
 from rnnlab.models import count_params
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
@@ -130,28 +130,34 @@ def train_population(members: Sequence[Member]) -> list[tuple[dict[str, Any], Ba
             for i, (setup, m) in enumerate(zip(setups, members)):
                 with speaking_for(i):
                     reporters.append(Reporter(setup, start_step, m.overrides,
-                                              m.overrides if m.varied is None else m.varied, profile=i == 0))
+                                              m.overrides if m.varied is None else m.varied, first=i == 0))
                 cleanup.callback(reporters[-1].close)
             reporter = PopulationReporter(reporters)
             num_params = count_params(states[0].params)
             # One structure (member 0's: the members' optimizers are equal but for their numbers, which are inputs).
             stacked = jax.tree_util.tree_structure(states[0]).unflatten(
                 [np.stack(leaves) for leaves in zip(*map(jax.tree_util.tree_leaves, states))])
+            del states  # the members' own copies: only the replicated stack stays on the devices
             state_bytes = memory.tree_bytes(stacked)
             memory.check_fits(f"the train states of {len(members)} members", state_bytes, state_bytes, setups[0].devices,
                               first)
             state = fns.dp.replicate(PopulationState(stacked, np.ones(len(members), bool)))
+            del stacked
             memory.check_population_fits(compile_dispatch(fns, reporter, state, cache), state_bytes, len(members),
                                          setups[0].devices, first)
         except Exception as e:
             if memory.is_out_of_memory(e):
                 raise memory.out_of_memory_error(e, first) from None
             raise
+        for c in checkpointers:  # once nothing can refuse the population: a member ahead goes back to the others' step
+            c.discard_after(start_step)
         log.info("population of %d members (%s) as one program", len(members),
                  ", ".join(" ".join(m.varied or m.overrides) or str(m.workdir.name) for m in members))
         reporter.log_start(num_params)
         outcome = train_loop(first, fns, reporter, PopulationCheckpointer(checkpointers, reporter.diverged),
                              state, start_step)
+        if outcome.error is not None and not isinstance(outcome.error, (NonFiniteLossError, KeyboardInterrupt)):
+            log.error("the population stopped: %s", outcome.error, exc_info=outcome.error)  # every member's train.log
         results = []
         for i, member_reporter in enumerate(reporters):
             error = reporter.diverged[i] or outcome.error
@@ -168,19 +174,24 @@ def train_population(members: Sequence[Member]) -> list[tuple[dict[str, Any], Ba
 
 def _restore_or_init_all(setups: Sequence[Any], checkpointers: Sequence[Checkpointer]) -> tuple[list[Any], int]:
     """(each member's unreplicated state, their common step): every member restored at the newest step that all
-    of them saved (after a SIGKILL in the middle of the members' saves, some have one more), or initialised."""
+    of them saved (after a SIGKILL between the members' saves, some have one more; the launcher groups members by
+    their newest step, so this is the rare case), or all initialised. CheckpointError rather than a member's
+    checkpoints left behind for a fresh start: train such members apart (hydra/launcher=basic)."""
     common = min(c.latest_step() or 0 for c in checkpointers)
     while True:
         restored = []
         for i, (setup, c) in enumerate(zip(setups, checkpointers)):
             with speaking_for(i):
                 restored.append(restore_or_init(setup, c, common))
-        steps = {step for _, step in restored}
-        if len(steps) == 1:
+        steps = [step for _, step in restored]
+        if len(set(steps)) == 1:
             break
         common = min(steps)  # a member's checkpoint at `common` did not restore: go back to what every one has
-    for c in checkpointers:
-        c.discard_after(common)
+    fresh = [c.directory for c, step in zip(checkpointers, steps) if step == 0 and c.latest_step()]
+    if fresh:
+        raise CheckpointError(
+            f"the members have no checkpoint step in common, and {fresh[0]} would start afresh; train its run apart "
+            f"(hydra/launcher=basic) or move its checkpoints away")
     return [state for state, _ in restored], common
 
 
@@ -212,11 +223,11 @@ class PopulationReporter:
             r.log_start(num_params)
 
     def dispatching(self, first_step: int) -> None:
-        for _, r in self._each(False):
+        for _, r in self._each():
             r.dispatching(first_step)
 
     def dispatched(self, step: int, steps: int, metrics: Any) -> None:
-        for _, r in self._each(False):
+        for _, r in self._each():
             r.dispatched(step, steps, metrics)
 
     def add_rows(self, rows: Sequence[list[dict[str, float]]]) -> None:
@@ -231,6 +242,7 @@ class PopulationReporter:
                 r.check_finite(step)
             except NonFiniteLossError as e:
                 self.diverged[i] = e
+                r.stop_clock()  # its throughput: the steps it trained
                 log.warning("member %d diverged at step %d; its updates stopped, the other members go on: %s",
                             i, e.step, e)
         if all(self.diverged):
@@ -271,7 +283,7 @@ class PopulationReporter:
             r.flush()
 
     def stop_clock(self) -> None:
-        for _, r in self._each(False):
+        for _, r in self._each():
             r.stop_clock()
 
     def end_loop(self) -> None:

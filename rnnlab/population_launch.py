@@ -4,8 +4,8 @@
 Each job keeps what Hydra's basic launcher gives it: its run dir and `.hydra/`, its callbacks (the sweep's
 status line, one per finished job), its train.log (the lines of its own run, and those of the population it
 trained in), its results.json and exit status; the program's own console (model summaries, XLA's lines)
-goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else train in separate
-populations, one after another. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
+goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else, or that cannot resume
+from one step (`_groups`), train in separate populations, one after another. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
 on the path).
 """
 
@@ -96,7 +96,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
         jobs = [_Job(launcher, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
     finally:
         HydraConfig.instance().cfg = saved_hydra
-    groups = _groups(jobs, member_keys, None if max_members is None else int(max_members))
+    groups = _groups(launcher, jobs, member_keys, None if max_members is None else int(max_members))
     log.info("Launching %d jobs as %d population(s) (members differ in %s)", len(jobs), len(groups),
              ", ".join(member_keys))
     results: dict[int, Any] = {}
@@ -106,22 +106,53 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     return [job.job_return(results.get(job.num)) for job in jobs]
 
 
-def _groups(jobs: list[_Job], member_keys: list[str], max_members: int | None) -> list[list[_Job]]:
+def _groups(launcher: Any, jobs: list[_Job], member_keys: list[str], max_members: int | None) -> list[list[_Job]]:
     """The jobs whose configs are equal but for `member_keys`, in sweep order, at most `max_members` together.
-    A job whose config is refused fails here (exit 2's line in its results.json), before anything compiles."""
+    Jobs that all hold a checkpoint at the oldest of their newest steps train together from there (a rerun after
+    a stop, even a SIGKILL between the members' saves: `train_population` takes the others back to it); else
+    they split by their newest step (a grid grown by a seed, a member that diverged long ago), so that no job's
+    checkpoints are left for a fresh start. A job whose config is refused fails here (exit 2's line in its
+    results.json; Hydra's callbacks count it), before anything compiles."""
+    from rnnlab.checkpoint import saved_steps
     from rnnlab.config import ConfigError, from_omegaconf
     from rnnlab.population import population_key
 
-    groups: dict[Any, list[_Job]] = {}
+    by_config: dict[Any, list[_Job]] = {}
     for job in jobs:
         try:
             job.rnnlab_config = from_omegaconf(job.task_cfg)
         except ConfigError as e:
             job.fail(str(e), EXIT_BAD_INPUT)
+            _callbacks(launcher, job, None)
             continue
-        groups.setdefault(population_key(job.rnnlab_config, member_keys), []).append(job)
+        by_config.setdefault(population_key(job.rnnlab_config, member_keys), []).append(job)
     size = max_members or max(len(jobs), 1)
-    return [group[i:i + size] for group in groups.values() for i in range(0, len(group), size)]
+    groups = []
+    for group in by_config.values():
+        steps = [saved_steps(job.output_dir / "checkpoints") if job.rnnlab_config.checkpoint.resume else set()
+                 for job in group]
+        oldest = min(max(s, default=0) for s in steps)
+        if all(oldest in s for s in steps) or not any(steps):
+            parts = [group]
+        else:
+            by_step: dict[int, list[_Job]] = {}
+            for job, s in zip(group, steps):
+                by_step.setdefault(max(s, default=0), []).append(job)
+            parts = list(by_step.values())
+        groups += [part[i:i + size] for part in parts for i in range(0, len(part), size)]
+    return groups
+
+
+def _callbacks(launcher: Any, job: _Job, value: Any, start: bool = True) -> None:
+    """Hydra's job callbacks for `job` (the sweep's status line counts it): on_job_start (with `start`), on_job_end."""
+    saved = HydraConfig.instance().cfg
+    try:
+        HydraConfig.instance().set_config(job.config)
+        if start:
+            launcher.hydra_context.callbacks.on_job_start(config=job.config, task_function=launcher.task_function)
+        launcher.hydra_context.callbacks.on_job_end(config=job.config, job_return=job.job_return(value))
+    finally:
+        HydraConfig.instance().cfg = saved
 
 
 def _member_handlers(jobs: list[_Job]) -> list[logging.Handler]:
@@ -147,16 +178,19 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
     from rnnlab.report import NonFiniteLossError
 
     callbacks = launcher.hydra_context.callbacks
+    saved = HydraConfig.instance().cfg
     for job in jobs:
         HydraConfig.instance().set_config(job.config)
         callbacks.on_job_start(config=job.config, task_function=launcher.task_function)
+    HydraConfig.instance().cfg = saved
     root = logging.getLogger()
     handlers = _member_handlers(jobs)
     for handler in handlers:
         root.addHandler(handler)
-    level = root.level
+    level, absl = root.level, logging.getLogger("absl")
+    absl_level = absl.level
     root.setLevel(logging.INFO)
-    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax: every file it writes at INFO
+    absl.setLevel(logging.WARNING)  # Orbax: every file it writes at INFO
     members = [Member(job.rnnlab_config, job.output_dir, tuple(job.overrides), tuple(job.varied)) for job in jobs]
     outcome: list | BaseException
     sweep_dir = Path(str(launcher.config.hydra.sweep.dir))
@@ -172,15 +206,20 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
             root.removeHandler(handler)
             handler.close()
         root.setLevel(level)
+        absl.setLevel(absl_level)
     values: dict[int, Any] = {}
     preempted = None
+    def code_and_line(e: BaseException) -> tuple[int, str]:
+        """train.py's exit code and one line for what ended a job (as `main` maps them)."""
+        if isinstance(e, (ConfigError, CheckpointError)):
+            return EXIT_BAD_INPUT, str(e)
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        code = EXIT_CANNOT_WRITE if isinstance(e, (CheckpointSaveError, OSError)) else EXIT_BUG
+        return code, f"{type(e).__name__}: {text}"
+
     if isinstance(outcome, BaseException):
-        e = outcome
-        code = (EXIT_BAD_INPUT if isinstance(e, (ConfigError, CheckpointError)) else
-                EXIT_CANNOT_WRITE if isinstance(e, (CheckpointSaveError, OSError)) else EXIT_BUG)
-        message = str(e) if code == EXIT_BAD_INPUT else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
         for job in jobs:
-            job.fail(message, code)
+            job.fail(*reversed(code_and_line(outcome)))
     else:
         for job, (results, error) in zip(jobs, outcome):
             if results["status"] == "preempted":
@@ -190,16 +229,14 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
             elif isinstance(error, KeyboardInterrupt):
                 raise error
             elif error is not None:
-                code = EXIT_CANNOT_WRITE if isinstance(error, (CheckpointSaveError, OSError)) else EXIT_BUG
-                job.fail(f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}", code)
+                job.fail(*reversed(code_and_line(error)))
             values[job.num] = results.get("eval_loss")
     if preempted is not None:
         logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", preempted)
         raise SystemExit(EXIT_PREEMPTED)
     _flush_loggers()
     for job in jobs:
-        HydraConfig.instance().set_config(job.config)
-        callbacks.on_job_end(config=job.config, job_return=job.job_return(values.get(job.num)))
+        _callbacks(launcher, job, values.get(job.num), start=False)
     return values
 
 

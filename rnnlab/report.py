@@ -179,7 +179,7 @@ class Reporter:
     then `end_loop`, `results`, `finish`."""
 
     def __init__(self, setup: Setup, start_step: int, overrides: Sequence[str] = (), varied: Sequence[str] = (),
-                 profile: bool = True):
+                 first: bool = True):
         self.setup = setup
         workdir, config = setup.workdir, setup.config
         self._writer = MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
@@ -188,10 +188,11 @@ class Reporter:
         local_device = next(d for d in setup.devices if d.process_index == jax.process_index())
         peak = functools.partial(flops.peak_flops, local_device, flops.model_peak_kind(config.model.dtype))
         self._throughput = Throughput(setup.tokens_per_step, setup.step_flops(len(setup.devices)), peak, setup.devices)
-        # The jax.profiler window (off by default); in a population one member's reporter traces the program.
-        self._profiler = StepProfiler(config.profile if profile else dataclasses.replace(config.profile, num_steps=0),
+        # The jax.profiler window (off by default); in a population (`first` False for all members but the first)
+        # the first member's reporter traces the program and draws the bar.
+        self._profiler = StepProfiler(config.profile if first else dataclasses.replace(config.profile, num_steps=0),
                                       workdir / "tensorboard")
-        self._progress = ProgressBar(config.steps, start_step)  # a live bar on a terminal, else nothing
+        self._progress = ProgressBar(config.steps, start_step, None if first else False)  # a bar on a terminal
         self._rows: list[dict[str, float]] = []  # per-step host metrics of the open log window
         self._last_train: dict[str, float] = {}
         self._last_eval: dict[str, float] = {}

@@ -8,8 +8,9 @@ one per core, or many sharing one GPU; `basic`: one after another), as a user wo
 
 Per cell and launcher: the sweep's wall seconds (process starts and compiles included: what the user waits for),
 each member's steps/s in the steady state (results.json's tokens/s over its tokens per step; median over the
-jobs) and their sum (the grid's throughput), the train-step compiles (one per process, or one per population),
-the largest process's peak RSS, and the device's peak memory where it reports one (results.json's
+jobs), the grid's steps/s (every member's steps over the sweep's wall seconds), the train-step compiles (one per
+process, or one per population),
+the largest process's peak RSS (in a parallel sweep, one of several side by side), and the device's peak memory where it reports one (results.json's
 `peak_device_bytes`). Writes a JSON (`--json`) and prints a Markdown table. Nothing else may run beside it.
 """
 
@@ -32,6 +33,11 @@ TOY = ["hidden_dim=8", "batch_size=8", "data.num_pairs=2", "data.seq_len=8", "da
        "eval_batches=1", "log_every=5", "eval_every=10"]
 
 
+# Runs a command and writes the largest peak RSS (KiB) of the processes it waited for: the sweep's own, per sweep.
+MAXRSS = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[2:]); open(sys.argv[1], 'w').write("
+          "str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); sys.exit(code)")
+
+
 def sweep(cell: str, launcher: str, args: argparse.Namespace) -> dict:
     """One cell's sweep under one launcher, in a fresh process; its figures."""
     out = args.out / cell.replace(" ", "_") / launcher
@@ -41,11 +47,12 @@ def sweep(cell: str, launcher: str, args: argparse.Namespace) -> dict:
                *cell_overrides, f"optimizer.lr={','.join(args.lrs)}", f"seed=range(0,{args.seeds})",
                f"steps={args.steps}", f"hydra/launcher={launcher}", f"hydra.sweep.dir={out}",
                *(TOY if args.toy else [f"data.num_pairs={args.num_pairs}"]), *args.set]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    rss_file = out.parent / f"{launcher}.maxrss"
+    out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+    proc = subprocess.run([sys.executable, "-c", MAXRSS, str(rss_file), *command], cwd=ROOT, capture_output=True,
+                          text=True, timeout=args.timeout)
     wall = time.perf_counter() - started
-    peak_rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     if proc.returncode != 0:
         raise SystemExit(f"{cell} with {launcher} failed ({proc.returncode}): {proc.stderr.strip()[-500:]}")
     jobs = [json.loads(p.read_text()) for p in sorted(out.glob("*/results.json"))]
@@ -54,12 +61,11 @@ def sweep(cell: str, launcher: str, args: argparse.Namespace) -> dict:
     return {
         "cell": cell, "launcher": launcher, "jobs": len(jobs), "wall_seconds": wall,
         "steps_per_sec_per_member": statistics.median(rates) if rates else None,
-        "steps_per_sec_total": sum(rates) if rates else None,
-        "train_step_compiles": 1 if launcher == "population" else len(jobs),
+        "grid_steps_per_sec": len(jobs) * args.steps / wall,  # every member's steps over the sweep's wall time
+        "train_step_compiles": len(list(out.glob("population_*.log"))) if launcher == "population" else len(jobs),
         "compile_seconds": max(j["compile_seconds"] or 0 for j in jobs) if launcher == "population"
         else sum(j["compile_seconds"] or 0 for j in jobs),
-        # RUSAGE_CHILDREN's maximum covers every process this script waited for: the largest one, if it is new.
-        "peak_rss_mb": peak_rss_kb / 1024 if peak_rss_kb > before else None,
+        "peak_rss_mb": int(rss_file.read_text()) / 1024,
         "peak_device_mb": max(peaks) / 2**20 if peaks else None,
         "platform": jobs[0]["platform"], "eval_losses": [j["eval_loss"] for j in jobs],
     }
@@ -69,11 +75,11 @@ def table(rows: list[dict]) -> str:
     def f(value, spec):
         return "n/a" if value is None else format(value, spec)
 
-    lines = ["| cell | launcher | jobs | wall s | steps/s per member | steps/s, all | compiles | compile s | "
+    lines = ["| cell | launcher | jobs | wall s | steps/s per member | grid steps/s | compiles | compile s | "
              "peak RSS MB | peak device MB |", "|" + "---|" * 10]
     for r in rows:
         lines.append(f"| {r['cell']} | {r['launcher']} | {r['jobs']} | {r['wall_seconds']:.1f} | "
-                     f"{f(r['steps_per_sec_per_member'], '.1f')} | {f(r['steps_per_sec_total'], '.1f')} | "
+                     f"{f(r['steps_per_sec_per_member'], '.1f')} | {r['grid_steps_per_sec']:.1f} | "
                      f"{r['train_step_compiles']} | {r['compile_seconds']:.1f} | {f(r['peak_rss_mb'], '.0f')} | "
                      f"{f(r['peak_device_mb'], '.0f')} |")
     return "\n".join(lines)

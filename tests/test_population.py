@@ -139,6 +139,19 @@ def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, cap
             np.testing.assert_array_equal(x, y)
 
 
+def test_a_member_that_would_start_afresh_beside_trained_ones_is_refused_and_nothing_is_deleted(tmp_path):
+    from rnnlab.checkpoint import CheckpointError
+    from rnnlab.population import train_population
+
+    pair = members(tmp_path, GRID[:2])
+    train_population(pair)
+    saved = sorted(p.name for p in (pair[0].workdir / "checkpoints").iterdir())
+    grown = members(tmp_path, GRID)  # the same two and a new one, which has no checkpoint
+    with pytest.raises(CheckpointError, match="would start afresh"):
+        train_population(grown)
+    assert sorted(p.name for p in (pair[0].workdir / "checkpoints").iterdir()) == saved
+
+
 def test_members_that_differ_in_the_program_are_refused(tmp_path):
     from rnnlab.config import ConfigError
     from rnnlab.population import Member, check_members
@@ -200,6 +213,21 @@ def start_and_stop(command, sweep_dir, at_step, signum, cwd):
         time.sleep(0.05)
     proc.send_signal(signum)
     return proc.wait(timeout=120)
+
+
+@pytest.mark.slow
+def test_a_grown_grid_trains_the_new_member_apart_and_keeps_the_finished_ones(tmp_path):
+    common = ["-m", *[o for o in SWEEP if not o.startswith(("seed=", "optimizer.lr="))], "steps=12", "eval_every=6",
+              "checkpoint.every=6", "hydra/launcher=population", f"hydra.sweep.dir={tmp_path / 's'}"]
+    assert run_train([*common, "seed=0,1"], cwd=tmp_path).returncode == 0
+    before = {p.name: json.loads((p / "results.json").read_text()) for p in run_dirs(tmp_path / "s")}
+    proc = run_train([*common, "seed=0,1,2"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = {p.name: json.loads((p / "results.json").read_text()) for p in run_dirs(tmp_path / "s")}
+    assert len(after) == 3 and all(r["status"] == "completed" for r in after.values())
+    for name, results in before.items():  # the finished members: restored at their end, evaluated, unchanged
+        assert after[name]["eval_loss"] == results["eval_loss"]
+    assert len(list((tmp_path / "s").glob("population_*.log"))) >= 2
 
 
 @pytest.mark.slow
