@@ -376,8 +376,8 @@ def verdict(row: Row, task: Task, lengths: list[int]) -> str:
     where every evaluated length is solved (mean >= SOLVED), one that it does not where the longest is not."""
     expect = claim(task.key, row.setting)[1]
     means = {n: row.stats(n)[0] for n in lengths}
-    if expect is None or any(means[n] is None for n in lengths):
-        return "-"
+    if expect is None or any(means[n] is None for n in lengths) or max(lengths) <= task.train_len:
+        return "-"  # no claim, or only the training length recorded: the claims are about longer ones
     longest, solved = max(lengths), [n for n in lengths if means[n] >= SOLVED]
     if not expect:
         return "agrees" if means[longest] < SOLVED else f"disagrees: {fmt(means[longest])} at {longest}"
