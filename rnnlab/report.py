@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import time
 from typing import Any, Callable, Sequence
@@ -19,6 +20,8 @@ import numpy as np
 from rnnlab import config as cfg
 from rnnlab import flops, param_stats, tasks
 from rnnlab.board import describe_run
+from rnnlab.files import read_json_object
+from rnnlab.provenance import provenance, utc_now
 from rnnlab.metrics import MetricWriter, ThroughputClock, eval_tag, finite_or_none, hparam_metric_tags, write_results
 from rnnlab.profiling import StepProfiler
 from rnnlab.progress import ProgressBar
@@ -28,6 +31,9 @@ from rnnlab.steps import mean_rows
 log = logging.getLogger("rnnlab.trainer")  # the run's lines, from one logger (rnnlab.setup)
 
 EXAMPLES = 4  # eval examples `Reporter.log_examples` shows at each evaluation
+# results.json's figures of the training itself, which a rerun that only evaluates keeps from the record it found.
+TRAINING_FIELDS = ("train_loss", "tokens_per_sec", "flops_per_sec", "mfu", "compile_seconds", "compile_cache",
+                   "skipped_updates", "wall_seconds", "peak_device_bytes")
 
 
 def model_label(model: cfg.ModelConfig) -> str:
@@ -179,9 +185,16 @@ class Reporter:
     then `end_loop`, `results`, `finish`."""
 
     def __init__(self, setup: Setup, start_step: int, overrides: Sequence[str] = (), varied: Sequence[str] = (),
-                 first: bool = True):
+                 first: bool = True, started_utc: str | None = None):
         self.setup = setup
         workdir, config = setup.workdir, setup.config
+        self._started_utc = started_utc or utc_now()
+        self._overrides = list(overrides)
+        # The record of the run that trained up to `start_step` (a rerun that only evaluates keeps its training's
+        # figures: `results`).
+        previous = read_json_object(workdir / "results.json") if start_step else {}
+        self._previous = previous if previous.get("step") == start_step else {}
+        self._start_step = start_step
         self._writer = MetricWriter(workdir / "tensorboard", purge_step=start_step + 1 if start_step else None,
                                     enabled=setup.primary)
         # The peak of the devices this run trains on (with device=cpu on a GPU machine, not JAX's default backend's).
@@ -322,7 +335,7 @@ class Reporter:
         setup, task, last_eval = self.setup, self.setup.task, self._last_eval
         tokens_per_sec, flops_per_sec, mfu = self._throughput.totals()
         headline = task.metric_names[0] if task.metric_names else None
-        return {
+        results = {
             "status": status, "error": _one_line(error) if error is not None else None, "step": step or self._step,
             "task": task.name,
             "train_loss": finite_or_none(self._last_train.get("loss")),
@@ -344,7 +357,14 @@ class Reporter:
             "skipped_updates": self._skipped_updates,
             "peak_device_bytes": peak_device_bytes(setup.devices),
             "wall_seconds": time.perf_counter() - wall_start,
+            "overrides": self._overrides,
+            "config": json.loads(json.dumps(cfg.flatten(setup.config))),
+            "provenance": provenance(setup.devices, self._started_utc),
         }
+        if self._start_step >= setup.config.steps and self._previous:
+            # Nothing was trained here (a rerun that evaluates again): the training's own figures stay.
+            results |= {k: self._previous.get(k) for k in TRAINING_FIELDS if k in self._previous}
+        return results
 
     def finish(self, results: dict[str, Any]) -> None:
         """results.json (process 0), then TensorBoard's HParams session ends with its status; a disk that

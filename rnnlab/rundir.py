@@ -12,8 +12,9 @@ import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rnnlab.checkpoint import CheckpointError, Checkpointer
+from rnnlab.checkpoint import CheckpointError, Checkpointer, saved_steps
 from rnnlab.config import Config, ConfigError, flatten
+from rnnlab.files import read_json_object
 
 # Keys that fix the shape or structure of the saved state: no resume can change them.
 STRUCTURAL_KEYS = (
@@ -40,6 +41,37 @@ FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 # Keys added after run records existed, with the value a record written before them means: an older
 # run dir resumes as the model it trained.
 ADDED_KEYS = {"model.pattern": []}
+
+
+# Keys that cannot change what a finished run's record says (`final_record`): how it logged, was traced,
+# saved, cached its programs and met other processes.
+RECORD_FREE_KEYS = ("device.compile_cache",)
+RECORD_FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.")
+
+
+def recorded_config(config: Config) -> dict[str, Any]:
+    """results.json's `config`: the flat config as JSON gives it back (lists, not tuples)."""
+    return json.loads(json.dumps(flatten(config)))
+
+
+def final_record(workdir: Path, config: Config) -> dict[str, Any] | None:
+    """The results.json of a run dir whose run completed with `config` (but for the keys that cannot change its
+    record: `RECORD_FREE_KEYS`) and, where it saves checkpoints, still holds its final one, so that running it again
+    would change nothing; else None. A finished run's
+    record is final: rerunning its command reports it as it stands and writes nothing."""
+    record = read_json_object(Path(workdir) / "results.json")
+    saved = record.get("config")
+    if record.get("status") != "completed" or record.get("step") != config.steps or not isinstance(saved, dict):
+        return None
+    if not config.checkpoint.resume:
+        return None  # the resume refusal says why
+    if config.checkpoint.enabled and max(saved_steps(Path(workdir) / "checkpoints"), default=None) != config.steps:
+        return None  # its final checkpoint is gone: the run resumes from the newest one left
+
+    def outcome_keys(flat: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in flat.items() if k not in RECORD_FREE_KEYS and not k.startswith(RECORD_FREE_GROUPS)}
+
+    return record if outcome_keys(saved) == outcome_keys(recorded_config(config)) else None
 
 
 def is_free(key: str) -> bool:

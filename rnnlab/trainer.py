@@ -22,7 +22,8 @@ from rnnlab.checkpoint import Checkpointer
 from rnnlab.loop import Outcome, train_loop
 from rnnlab.models import count_params, summary_table
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
-from rnnlab.rundir import RunDirLock, check_writable, resumed_record, run_record
+from rnnlab.provenance import utc_now
+from rnnlab.rundir import RunDirLock, check_writable, final_record, resumed_record, run_record
 from rnnlab.setup import Setup, plan
 from rnnlab.steps import StepFunctions, make_step_functions
 
@@ -43,10 +44,16 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
     cannot be written, NonFiniteLossError if training diverges (with on_nonfinite=stop).
     Once training has started, results.json is written in every case the disk allows:
     `status` is "completed", "preempted" (SIGTERM/first SIGINT), "diverged", "aborted"
-    (second SIGINT) or "failed", and `error` says why it stopped early.
+    (second SIGINT) or "failed", and `error` says why it stopped early. A run dir whose run completed with this
+    config (`rundir.final_record`) is left as it is: its record is returned and nothing is written.
     """
-    wall_start = time.perf_counter()
+    wall_start, started_utc = time.perf_counter(), utc_now()
     workdir = Path(workdir)
+    record = final_record(workdir, config)
+    if record is not None:
+        log.info("%s already completed at step %d with this config: nothing to do (its record is %s)",
+                 workdir, record["step"], workdir / "results.json")
+        return record
     check_writable(workdir)
     cache = compile_cache.enable(config.device.compile_cache)
     devices = parallel.start_backend(config)
@@ -58,7 +65,8 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
             setup = plan(config, workdir, devices, checkpointer)
             state, start_step = restore_or_init(setup, checkpointer)
             fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
-            reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied)
+            reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied,
+                                started_utc=started_utc)
             cleanup.callback(reporter.close)
             num_params = count_params(state.params)
             state = fns.dp.replicate(state)

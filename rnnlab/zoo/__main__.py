@@ -1,0 +1,3 @@
+from rnnlab.zoo.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""`python -m rnnlab.zoo`: plan, run, collect and publish the zoo's protocol (`rnnlab.zoo.protocol`).
+
+    python -m rnnlab.zoo plan core                     # the jobs, what is recorded, the predicted time here
+    python -m rnnlab.zoo run core --deadline 3h        # run what is left, at the suite's commit; resumable
+    python -m rnnlab.zoo run core --executor population --parallel 1   # a GPU: each grid, then each seed set, as one program
+    python -m rnnlab.zoo collect                       # run dirs -> docs/zoo/records/<table>.jsonl
+    python -m rnnlab.zoo page                          # docs/results.md and its plots, from the records alone
+    python -m rnnlab.zoo run core --cell mycell -- imports=[mycells] hydra.searchpath=[file://conf_extra]
+
+Exit codes: 0 done, 1 a job ended without a final status, 2 bad input, 75 stopped at the deadline (run again).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from rnnlab.zoo import protocol, records, runner
+from rnnlab.zoo.protocol import Table
+from rnnlab.zoo.runner import ZooError
+
+DEFAULT_OUT = Path("zoo_runs")
+
+
+def duration_seconds(text: str) -> float:
+    """`90`, `90s`, `45m`, `3h`, `1h30m` -> seconds (argparse type: bad text exits 2 naming the option)."""
+    match = re.fullmatch(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?", text.strip())
+    if not text.strip() or not match or not any(match.groups()):
+        raise argparse.ArgumentTypeError(f"got {text!r}, allowed: a duration such as 600, 45m, 3h or 1h30m")
+    h, m, s = (float(g) if g else 0.0 for g in match.groups())
+    value = h * 3600 + m * 60 + s
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"got {text!r}, allowed: a duration above 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"got {text!r}, allowed: an integer >= 1")
+    return value
+
+
+def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> argparse.ArgumentParser:
+    names = [*suites, *tables]
+    p = argparse.ArgumentParser(prog="python -m rnnlab.zoo", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(s: argparse.ArgumentParser, suite: bool = True) -> None:
+        if suite:
+            s.add_argument("suite", choices=names, metavar="SUITE", help=f"a suite or one table: {', '.join(names)}")
+        s.add_argument("--docs", type=Path, default=Path("docs"), help="where records/ and results.md live (docs)")
+        s.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the run dirs ({DEFAULT_OUT})")
+
+    def running(s: argparse.ArgumentParser) -> None:
+        s.add_argument("--commit", help="the commit to run (default: the suite's recorded commit, else HEAD)")
+        s.add_argument("--parallel", type=positive_int, help="units side by side (default: one per core on a CPU "
+                       "with the processes executor, else 1)")
+        s.add_argument("--executor", choices=("processes", "population"), default="processes")
+        s.add_argument("--cell", action="append", default=[], help="only this cell's settings; a cell the protocol "
+                       "does not list joins every table with its default setting (repeat the flag for more)")
+        s.add_argument("overrides", nargs="*", help="after --: overrides for every job that the protocol leaves "
+                       "free (imports, hydra.searchpath, checkpoint.*, device.*)")
+
+    plan = sub.add_parser("plan", help="the jobs, what is recorded, the predicted wall time on this machine")
+    common(plan)
+    running(plan)
+    plan.add_argument("--probe", action="store_true", help="time one short job per table where no record says")
+    run = sub.add_parser("run", help="run the protocol's jobs that are left, resumably, at one commit")
+    common(run)
+    running(run)
+    run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h)")
+    run.add_argument("--grace", type=duration_seconds, default=60.0, help="seconds between SIGTERM and SIGKILL (60)")
+    collect = sub.add_parser("collect", help="run dirs -> docs/zoo/records/<table>.jsonl")
+    common(collect, suite=False)
+    collect.add_argument("suite", nargs="?", choices=names, metavar="SUITE", help="default: every table")
+    page = sub.add_parser("page", help="docs/results.md and its plots from the records")
+    common(page, suite=False)
+    page.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def selected(args: argparse.Namespace, tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> list[Table]:
+    chosen = [tables[k] for k in suites[args.suite]] if args.suite in suites else [tables[args.suite]]
+    if getattr(args, "cell", None):
+        chosen = [protocol.with_cells(t, args.cell) for t in chosen]
+    return chosen
+
+
+def pinned_commit(root: Path, docs: Path, tables: Sequence[Table], kind: str, ref: str | None) -> str:
+    """--commit, else the commit most of the suite's records on this kind of machine were made at, else HEAD."""
+    if ref:
+        return runner.resolve_commit(root, ref)
+    commits = collections.Counter(records.commit_of(r) for t in tables for r in records.read_table(docs, t.key)
+                                  if records.kind_of(r) == kind and records.commit_of(r))
+    return runner.resolve_commit(root, commits.most_common(1)[0][0] if commits else "HEAD")
+
+
+def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None = None,
+         suites: Mapping[str, Sequence[str]] | None = None) -> int:
+    """The CLI; tests hand in `tables` and `suites` of their own (tiny ones)."""
+    tables = dict(protocol.TABLES if tables is None else tables)
+    suites = dict(protocol.SUITES if suites is None else suites)
+    args = parser(tables, suites).parse_args(argv)
+    try:
+        if args.command == "page":
+            from rnnlab.zoo import page
+
+            written = page.write(args.docs, tables, plots=not args.no_plots)
+            print(f"zoo: {', '.join(str(p) for p in written)}")
+            return 0
+        if args.command == "collect":
+            chosen = selected(args, tables, suites) if args.suite else list(tables.values())
+            changed = collect(args.out, args.docs, chosen)
+            print(f"zoo: {changed} record(s) written under {records.records_dir(args.docs)}")
+            return 0
+        runner.check_extra(args.overrides)
+        chosen = selected(args, tables, suites)
+        root = runner.repo_root()
+        kind = runner.machine_kind()
+        commit = pinned_commit(root, args.docs, chosen, kind, args.commit)
+        code = runner.worktree(root, commit, args.out)
+        ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind)
+        cpu = kind.startswith("CPU")
+        parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
+        if args.command == "plan":
+            if args.probe:
+                probe(code, chosen, args.out, ledger)
+            runner.print_plan(ledger, chosen, parallel)
+            return 0
+        executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
+        executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")
+        deadline = time.time() + args.deadline if args.deadline else float("inf")
+        runner.print_plan(ledger, chosen, parallel)
+
+        def record(done: list[dict]) -> None:
+            for table in chosen:
+                mine = [r for r in done if r["table"] == table.key]
+                if mine:
+                    records.merge(args.docs, table, mine)
+
+        return runner.run(ledger, chosen, executor, parallel, deadline, args.grace, on_done=record)
+    except ZooError as e:
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("zoo: interrupted; run the same command to go on", file=sys.stderr)
+        return 130
+
+
+def collect(out: Path, docs: Path, tables: Sequence[Table]) -> int:
+    """Every run dir under `out` with a final status, as records, merged into the tables' files."""
+    changed = 0
+    for table in tables:
+        found = []
+        for setting in table.settings:
+            folder = Path(out) / table.key / setting.slug
+            for results_path in sorted(folder.glob("lr*_seed*/results.json")):
+                match = re.fullmatch(r"lr([0-9.e+-]+)_seed(\d+)", results_path.parent.name)
+                results = records.results_of(results_path.parent)
+                if match and results.get("status") in records.FINAL:
+                    found.append(records.record_from_results(table, setting, float(match.group(1)),
+                                                             int(match.group(2)), results,
+                                                             f"{table.key}/{setting.slug}/{results_path.parent.name}"))
+        changed += records.merge(docs, table, found)
+    return changed
+
+
+def probe(code: Path, tables: Sequence[Table], out: Path, ledger: runner.Ledger) -> None:
+    """One short job per table with no record on this machine, recorded as a planning hint (not a result)."""
+    for table in tables:
+        if any(records.kind_of(r) == ledger.kind for r in records.read_table(ledger.docs, table.key)):
+            continue
+        seconds = runner.probe_seconds(code, table, out)
+        print(f"probe {table.key}: about {seconds:.0f} s a job ({table.settings[0].name}, {table.steps} steps)")

@@ -1,0 +1,165 @@
+"""The zoo's protocol as data, in one place: each table's preset, settings, lr grid, seeds, steps, headline metric,
+training length and evaluated lengths, and the one rule that picks a setting's lr. The runner, the page and the
+tests all read it from here.
+
+The rule (Zoology's, as this lab runs it): a setting trains its lr grid on seed 0; the lr whose seed-0 job scores
+best on the headline metric at the training length (the run's own eval at `data.seq_len`, never a longer length)
+is chosen, ties going to the smaller lr; a job that diverged or failed scores nothing; then the other seeds train
+at the chosen lr only, and the table reports the mean and spread over all seeds at that lr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Mapping, Sequence
+
+CELLS = ("rnn", "lstm", "gru", "mingru", "minlstm", "lru", "rglru", "mamba", "mamba2", "gla", "linear_attention",
+         "deltanet", "gated_deltanet", "deltaproduct", "slstm", "mlstm", "rwkv7", "attention")
+# The state-tracking settings beside each cell's default (issue 65): eigenvalues in (-1, 1] (`allow_neg_eigval`),
+# and DeltaProduct with three Householder steps per token.
+NEG = "model.allow_neg_eigval=true"
+SWITCH_CELLS = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
+ZOOLOGY_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A row of a table: a cell, and the overrides that set it apart from the cell's default (none for most)."""
+
+    cell: str
+    overrides: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """`deltaproduct model.allow_neg_eigval=true model.num_householder=3`: how the page and records name it."""
+        return " ".join((self.cell, *self.overrides))
+
+    @property
+    def slug(self) -> str:
+        """A folder name: `deltaproduct_allow_neg_eigval-true_num_householder-3`."""
+        parts = [self.cell, *(o.split(".")[-1].replace("=", "-") for o in self.overrides)]
+        return re.sub(r"[^A-Za-z0-9_.,-]+", "_", "_".join(parts))
+
+    @classmethod
+    def parse(cls, name: str) -> "Setting":
+        cell, *overrides = name.split()
+        return cls(cell, tuple(overrides))
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """One table of the results page: a preset with fixed overrides, its settings, and how they are compared."""
+
+    key: str
+    title: str
+    preset: str  # experiment=<preset>
+    overrides: tuple[str, ...]  # the table's own overrides after the preset (a pair count, a task)
+    settings: tuple[Setting, ...]
+    lrs: tuple[float, ...]
+    seeds: int  # seed 0 trains the grid, seeds 1 .. seeds-1 the chosen lr
+    steps: int
+    metric: str  # the headline metric, chosen on and reported
+    higher_is_better: bool
+    train_len: int  # data.seq_len
+    eval_lens: tuple[int, ...]  # data.eval_seq_lens (the training length first)
+    about: str
+    cell_key: str = "model"  # what a setting's cell sets: `model=<cell>`, or a hybrid stack's `hybrid=<stack>`
+
+    def setting(self, name: str) -> Setting | None:
+        return next((s for s in self.settings if s.name == name), None)
+
+    def job_overrides(self, setting: Setting, lr: float, seed: int) -> list[str]:
+        """train.py's overrides for one job: the preset, the table's keys, the setting, then what the protocol fixes."""
+        lens = ",".join(map(str, self.eval_lens))
+        return [f"experiment={self.preset}", *self.overrides, f"{self.cell_key}={setting.cell}", *setting.overrides,
+                f"steps={self.steps}", f"data.seq_len={self.train_len}", f"data.eval_seq_lens=[{lens}]",
+                f"optimizer.lr={lr_text(lr)}", f"seed={seed}"]
+
+    def jobs_per_setting(self) -> int:
+        return len(self.lrs) + self.seeds - 1
+
+
+def lr_text(lr: float) -> str:
+    """3e-4, 1e-2: the presets' spelling."""
+    mantissa, exponent = f"{lr:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def job_dirname(lr: float, seed: int) -> str:
+    """A job's run dir name in its setting's folder, as Hydra renders `lr${optimizer.lr}_seed${seed}` too."""
+    return f"lr{float(lr)}_seed{seed}"
+
+
+def same_lr(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9)
+
+
+def choose_lr(seed0_scores: Mapping[float, float | None], higher_is_better: bool) -> float | None:
+    """The protocol's one rule: the lr whose seed-0 job scored best at the training length, ties to the smaller lr;
+    None while no lr has a score (each job: None if it failed or diverged)."""
+    best: tuple[float, float] | None = None
+    for lr in sorted(seed0_scores):
+        score = seed0_scores[lr]
+        if score is None or not math.isfinite(score):
+            continue
+        key = -score if higher_is_better else score
+        if best is None or key < best[0]:
+            best = (key, lr)
+    return best[1] if best else None
+
+
+def _cells(*extra: Setting) -> tuple[Setting, ...]:
+    return (*(Setting(c) for c in CELLS), *extra)
+
+
+STATE_TRACKING_EXTRA = (*(Setting(c, (NEG,)) for c in SWITCH_CELLS),
+                        Setting("deltaproduct", ("model.num_householder=3",)),
+                        Setting("deltaproduct", (NEG, "model.num_householder=3")))
+
+TABLES: dict[str, Table] = {t.key: t for t in [
+    Table("parity", "Parity", "zoo_parity", (), _cells(*STATE_TRACKING_EXTRA), ZOOLOGY_LRS, 3, 2000, "accuracy", True,
+          16, (16, 32, 64, 128), "`experiment=zoo_parity`: trained on every length 2-16, evaluated at 16, 32, 64 and "
+          "128; H=64, 2 layers, 2,000 steps. Chance 0.5."),
+    Table("selective_copy", "Selective copying", "zoo_selective_copy", (), _cells(), ZOOLOGY_LRS, 3, 3000,
+          "accuracy", True, 32, (32, 64, 128), "`experiment=zoo_selective_copy`: 4 of 8 symbols among noise, trained "
+          "at 32, evaluated at 32, 64 and 128; H=64, 2 layers, 3,000 steps."),
+    *(Table(f"mqar{n}", f"MQAR, {n} pairs", "zoo_mqar", (f"data.num_pairs={n}",), _cells(), ZOOLOGY_LRS, 3, 2000,
+            "accuracy", True, 64, (64, 128), f"`experiment=zoo_mqar data.num_pairs={n}`: 64 symbols, trained at 64, "
+            f"evaluated at 64 and 128; H=64, 2 layers, no MLP, 2,000 steps. Knowing the values without their keys "
+            f"scores 1/{n}.") for n in (4, 8, 16)),
+    Table("s3", "S3 word problem", "zoo_state_tracking", ("state_tracking=s3",), _cells(*STATE_TRACKING_EXTRA),
+          (1e-3, 3e-3), 3, 4000, "sequence_accuracy", True, 16, (16, 32, 64, 128),
+          "`experiment=zoo_state_tracking state_tracking=s3`: trained at 16, evaluated at 16, 32, 64 and 128; sequence "
+          "accuracy (every prefix product right); H=64, 2 layers, 4,000 steps; the lr grid 1e-3 / 3e-3 (issue 65)."),
+    *(Table(f"hybrid_mqar{n}", f"Hybrid stacks: MQAR, {n} pairs", "zoo_hybrid", (f"data.num_pairs={n}",),
+            tuple(Setting(h) for h in ("gated_deltanet", "gdn3_attention1", "gdn1_attention1", "attention1_gdn3",
+                                       "gdn3_window1", "attention", "window")),
+            ZOOLOGY_LRS, 3, 2000, "accuracy", True, 64, (64, 128, 256),
+            f"`experiment=zoo_hybrid data.num_pairs={n}`: 4-layer stacks (`hybrid=`), H=64, no MLP, trained at 64, "
+            "evaluated at 64, 128 and 256; 2,000 steps.", "hybrid") for n in (4, 8, 16)),
+]}
+
+# A suite: the tables one `run` fills, in order. `core`: every cell on the four tables the page leads with.
+SUITES: dict[str, tuple[str, ...]] = {
+    "core": ("parity", "selective_copy", "mqar8", "s3"),
+    "second": ("mqar4", "mqar16", "hybrid_mqar4", "hybrid_mqar8", "hybrid_mqar16"),
+}
+
+
+def suite_tables(suite: str) -> list[Table]:
+    """A suite's tables by name, or one table by its key (`run parity`)."""
+    if suite in SUITES:
+        return [TABLES[k] for k in SUITES[suite]]
+    if suite in TABLES:
+        return [TABLES[suite]]
+    raise KeyError(suite)
+
+
+def with_cells(table: Table, cells: Sequence[str]) -> Table:
+    """`table` with its settings limited to `cells`, or extended by cells it does not list (a new cell joins
+    with its default setting)."""
+    listed = [s for s in table.settings if s.cell in cells]
+    new = [Setting(c) for c in cells if not any(s.cell == c for s in table.settings)]
+    return dataclasses.replace(table, settings=tuple(listed + new))

@@ -1,0 +1,119 @@
+"""One record per zoo job, in one format, kept under docs/zoo/records/<table>.jsonl (one JSON object a line, in a
+fixed order, so that a diff shows the jobs that changed): every override, the lr, the seed, the status, every
+metric at every evaluated length, the timings and the provenance (`rnnlab.provenance`). The page is built from
+these files alone; `collect` writes them from run dirs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from rnnlab.files import read_json_object
+from rnnlab.provenance import device_kind
+from rnnlab.zoo.protocol import Setting, Table, same_lr
+
+FINAL = ("completed", "diverged", "failed")  # a job with one of these is not run again; others (preempted) resume
+COPIED = ("status", "error", "step", "num_params", "state_floats", "model_state_floats", "tokens_per_sec",
+          "compile_seconds", "wall_seconds", "overrides", "provenance")
+
+
+def records_dir(docs: Path) -> Path:
+    return Path(docs) / "zoo" / "records"
+
+
+def record_from_results(table: Table, setting: Setting, lr: float, seed: int, results: Mapping[str, Any],
+                        job: str) -> dict[str, Any]:
+    """A job's record from its results.json: every evaluated length's metrics, the training length's included."""
+    metrics: dict[str, dict[str, float | None]] = {}
+    train = {"loss": results.get("eval_loss"), **(results.get("eval_metrics") or {})}
+    if any(v is not None for v in train.values()):
+        metrics[str(table.train_len)] = train
+    for length, values in (results.get("eval_by_len") or {}).items():
+        metrics.setdefault(str(length), dict(values))
+    return {"table": table.key, "setting": setting.name, "lr": float(lr), "seed": int(seed), "job": job,
+            "metrics": metrics, **{k: results.get(k) for k in COPIED}}
+
+
+def score(record: Mapping[str, Any], table: Table) -> float | None:
+    """The protocol's score of a job: its headline metric at the training length, if it completed with one."""
+    if record.get("status") != "completed":
+        return None
+    value = (record.get("metrics") or {}).get(str(table.train_len), {}).get(table.metric)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+def commit_of(record: Mapping[str, Any]) -> str | None:
+    return (record.get("provenance") or {}).get("commit")
+
+
+def kind_of(record: Mapping[str, Any]) -> str:
+    machine = (record.get("provenance") or {}).get("machine") or {}
+    return machine.get("description") or device_kind(machine)
+
+
+def key(record: Mapping[str, Any]) -> tuple:
+    """What makes two records the same job: the table, setting, lr, seed, commit and kind of device."""
+    return (record["table"], record["setting"], float(record["lr"]), int(record["seed"]), commit_of(record) or "",
+            kind_of(record))
+
+
+def read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_table(docs: Path, table: str) -> list[dict[str, Any]]:
+    return read(records_dir(docs) / f"{table}.jsonl")
+
+
+def order(table: Table | None, record: Mapping[str, Any]) -> tuple:
+    """Records in the protocol's order: setting, lr, seed, then commit and device."""
+    names = [s.name for s in table.settings] if table else []
+    at = names.index(record["setting"]) if record["setting"] in names else len(names)
+    return (at, record["setting"], float(record["lr"]), int(record["seed"]), commit_of(record) or "", kind_of(record))
+
+
+def write(path: Path, records: Iterable[Mapping[str, Any]], table: Table | None) -> None:
+    """The records, one a line, sorted keys, in the protocol's order."""
+    rows = sorted(records, key=lambda r: order(table, r))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in rows)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def merge(docs: Path, table: Table, new: Iterable[Mapping[str, Any]]) -> int:
+    """Add `new` records to the table's file, each replacing the record of the same job (`key`); returns how many
+    records changed."""
+    path = records_dir(docs) / f"{table.key}.jsonl"
+    by_key = {key(r): r for r in read(path)}
+    changed = 0
+    for record in new:
+        if by_key.get(key(record)) != record:
+            by_key[key(record)] = dict(record)
+            changed += 1
+    if changed:
+        write(path, by_key.values(), table)
+    return changed
+
+
+def results_of(run_dir: Path) -> dict[str, Any]:
+    return read_json_object(Path(run_dir) / "results.json")
+
+
+def find(records: Iterable[Mapping[str, Any]], setting: str, lr: float, seed: int) -> list[Mapping[str, Any]]:
+    return [r for r in records if r["setting"] == setting and same_lr(r["lr"], lr) and int(r["seed"]) == seed]
+
+
+def mean_and_spread(values: Iterable[float | None]) -> tuple[float | None, float | None]:
+    """(mean, sample standard deviation) of the values present; spread None with fewer than two."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None, None
+    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else None
