@@ -50,6 +50,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+EPILOG_OVERRIDES = ("Overrides for every job go after --: keys the protocol leaves free (imports, hydra.searchpath, "
+                    "checkpoint.*, device.*).")
+
+
 def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> argparse.ArgumentParser:
     names = [*suites, *tables]
     p = argparse.ArgumentParser(prog="python -m rnnlab.zoo", description=__doc__.split("\n\n")[0],
@@ -69,14 +73,14 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
         s.add_argument("--executor", choices=("processes", "population"), default="processes")
         s.add_argument("--cell", action="append", default=[], help="only this cell's settings; a cell the protocol "
                        "does not list joins every table with its default setting (repeat the flag for more)")
-        s.add_argument("overrides", nargs="*", help="after --: overrides for every job that the protocol leaves "
-                       "free (imports, hydra.searchpath, checkpoint.*, device.*)")
 
-    plan = sub.add_parser("plan", help="the jobs, what is recorded, the predicted wall time on this machine")
+    plan = sub.add_parser("plan", help="the jobs, what is recorded, the predicted wall time on this machine",
+                          epilog=EPILOG_OVERRIDES)
     common(plan)
     running(plan)
     plan.add_argument("--probe", action="store_true", help="time one short job per table where no record says")
-    run = sub.add_parser("run", help="run the protocol's jobs that are left, resumably, at one commit")
+    run = sub.add_parser("run", help="run the protocol's jobs that are left, resumably, at one commit",
+                         epilog=EPILOG_OVERRIDES)
     common(run)
     running(run)
     run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h)")
@@ -111,7 +115,13 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
     """The CLI; tests hand in `tables` and `suites` of their own (tiny ones)."""
     tables = dict(protocol.TABLES if tables is None else tables)
     suites = dict(protocol.SUITES if suites is None else suites)
-    args = parser(tables, suites).parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []  # overrides for every job, after --
+    args = parser(tables, suites).parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args.overrides = extra
+    if extra and args.command not in ("plan", "run"):
+        print(f"zoo: error: overrides after -- belong to plan and run, not {args.command}", file=sys.stderr)
+        return 2
     try:
         if args.command == "page":
             from rnnlab.zoo import page
