@@ -49,11 +49,9 @@ def cpu_model() -> str:
 
 
 def cpu_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    """The machine's cores (not the ones this process is pinned to: a zoo job pinned to one core ran on a
+    machine of two)."""
+    return os.cpu_count() or 1
 
 
 def machine(devices: Sequence[Any]) -> dict[str, Any]:
