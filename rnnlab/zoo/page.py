@@ -1,0 +1,326 @@
+"""docs/results.md and its plots, from the zoo's records alone (docs/zoo/records/*.jsonl; earlier runs from
+docs/zoo/earlier/*.jsonl). Each table comes from one commit and one kind of device, the group with the most
+finished jobs, stated once in its header; a row is a setting under the protocol (`rnnlab.zoo.protocol`): its seed-0
+grid, the lr the rule chose, and every seed at that lr. The same records give the same page, byte for byte.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from rnnlab.zoo import records
+from rnnlab.zoo.protocol import Setting, Table, choose_lr, lr_text, same_lr
+
+PAGE = "results.md"
+SOLVED = 0.9  # a length counts as solved where the seeds' mean reaches this ("agrees?")
+HISTORY = "benchmarks-history.md"
+
+
+def fmt(value: float | None, spec: str = ".4g") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@dataclasses.dataclass
+class Row:
+    """A setting of a table: its records at the table's commit and device, and where it stands in the protocol."""
+
+    setting: str
+    grid: dict[float, Mapping[str, Any] | None]  # seed 0's record at each lr of the grid (None: not run)
+    lr: float | None  # the rule's choice (None: the grid is not done, or every lr failed)
+    chosen: list[Mapping[str, Any]]  # the records of every seed at the chosen lr
+    complete: bool  # under the protocol: the grid done and every seed at its lr
+
+    def stats(self, table: Table, n: int) -> tuple[float | None, float | None]:
+        return records.mean_and_spread([value(r, table.metric, n) for r in self.chosen])
+
+    def jobs(self) -> int:
+        return sum(r is not None for r in self.grid.values()) + sum(int(r["seed"]) > 0 for r in self.chosen)
+
+
+def value(record: Mapping[str, Any], metric: str, n: int) -> float | None:
+    if record.get("status") != "completed":
+        return None
+    v = (record.get("metrics") or {}).get(str(n), {}).get(metric)
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def rows_of(table: Table, recs: Sequence[Mapping[str, Any]], settings: Sequence[str]) -> list[Row]:
+    rows = []
+    for name in settings:
+        mine = [r for r in recs if r["setting"] == name and r.get("status") in records.FINAL]
+        grid = {lr: next((r for r in mine if same_lr(r["lr"], lr) and int(r["seed"]) == 0), None) for lr in table.lrs}
+        done = all(r is not None for r in grid.values())
+        lr = choose_lr({lr: records.score(r, table) for lr, r in grid.items()}, table.higher_is_better) if done else None
+        chosen = sorted((r for r in mine if lr is not None and same_lr(r["lr"], lr)), key=lambda r: int(r["seed"]))
+        complete = done and (lr is None or {int(r["seed"]) for r in chosen} >= set(range(table.seeds)))
+        rows.append(Row(name, grid, lr, chosen, complete))
+    return rows
+
+
+def source_group(recs: Sequence[Mapping[str, Any]]) -> tuple[str | None, str | None]:
+    """(commit, device kind) with the most finished records: the one a table is built from."""
+    counts = collections.Counter((records.commit_of(r), records.kind_of(r)) for r in recs
+                                 if r.get("status") in records.FINAL)
+    if not counts:
+        return None, None
+    return min(counts, key=lambda k: (-counts[k], k[0] or "", k[1]))
+
+
+# What the papers report for a parity or S3 setting (as docs/benchmarks-history.md's "What the papers report"
+# recalls them: their arguments, not their tables).
+SWITCH_CELLS = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
+DIAGONAL = ("mamba", "mamba2")
+
+
+def claim(table: Table, setting: str) -> tuple[str, bool | None]:
+    """(the papers' finding for a parity or S3 setting, whether it says the model solves the task at every length
+    (True) or not beyond the training length (False)); ("", None) where none is recalled."""
+    if table.key not in ("parity", "s3"):
+        return "", None
+    s = Setting.parse(setting)
+    keys = dict(o.split("=", 1) for o in s.overrides if "=" in o)
+    switch = keys.get("model.allow_neg_eigval") == "true"
+    householders = int(keys.get("model.num_householder", 2 if s.cell == "deltaproduct" else 1))
+    if s.cell == "lstm":
+        return ("Merrill et al.: any length" if table.key == "s3" else "Deletang et al.: any length"), True
+    if s.cell == "slstm":
+        return "Beck et al.: state tracking (memory mixing)", True
+    if s.cell == "mlstm":
+        return "Beck et al.: no state tracking (no memory mixing)", False
+    if s.cell not in SWITCH_CELLS:
+        return "", None
+    if not switch:
+        return "Grazzi et al.: not with [0, 1] eigenvalues", False
+    if table.key == "parity":
+        return "Grazzi et al.: parity with [-1, 1]", True
+    if s.cell in DIAGONAL:
+        return "Grazzi et al.: no (diagonal transitions commute; S3 does not)", False
+    if s.cell == "rwkv7":
+        return "", None
+    if householders >= 2:
+        return f"Siems et al.: S3 in one layer from n_h = 2 (here {householders})", True
+    return "Siems et al.: one layer needs n_h >= 2; Grazzi et al.: more layers help", False
+
+
+def verdict(row: Row, table: Table) -> str:
+    """Whether the row agrees with its papers' claim: a claim that the model solves the task holds where every
+    evaluated length is solved (mean >= SOLVED), one that it does not where the longest is not."""
+    expect = claim(table, row.setting)[1]
+    lengths = list(table.eval_lens)
+    means = {n: row.stats(table, n)[0] for n in lengths}
+    if expect is None or any(means[n] is None for n in lengths):
+        return "-"
+    longest, solved = max(lengths), [n for n in lengths if means[n] >= SOLVED]
+    if not expect:
+        return "agrees" if means[longest] < SOLVED else f"disagrees: {fmt(means[longest])} at {longest}"
+    if len(solved) == len(lengths):
+        return "agrees"
+    if means[table.train_len] >= SOLVED:
+        return f"partly: solved to {max(solved)}, {fmt(means[longest])} at {longest}"
+    seeds = sum(1 for r in row.chosen if (value(r, table.metric, table.train_len) or 0) >= SOLVED)
+    return f"disagrees: {fmt(means[table.train_len])} at {table.train_len} ({seeds} of {len(row.chosen)} seeds solve it)"
+
+
+def grid_text(row: Row, table: Table) -> str:
+    cells = []
+    for lr, record in row.grid.items():
+        text = "not run" if record is None else (
+            fmt(value(record, table.metric, table.train_len)) if record.get("status") == "completed" else record["status"])
+        cells.append(f"**{text}**" if row.lr is not None and same_lr(lr, row.lr) else text)
+    return " / ".join(cells)
+
+
+def cell_text(row: Row, table: Table, n: int) -> str:
+    mean, spread = row.stats(table, n)
+    return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "") if mean is not None else "-"
+
+
+def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False) -> list[str]:
+    papers = table.key in ("parity", "s3")
+    grid = " / ".join(lr_text(lr) for lr in table.lrs)
+    head = ["setting", *(f"{table.metric}@{n}" + (" (train)" if n == table.train_len else "") for n in table.eval_lens),
+            "lr", "seeds", f"seed 0 @{table.train_len}: {grid}", *(["the papers", "agrees?"] * papers), "params",
+            "tokens/s", *(["machine", "date", "commit"] * provenance_columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for row in rows:
+        rates = [r.get("tokens_per_sec") for r in row.chosen if r.get("tokens_per_sec")]
+        params = next((r.get("num_params") for r in row.chosen if r.get("num_params")), None)
+        cells = [row.setting, *(cell_text(row, table, n) for n in table.eval_lens),
+                 lr_text(row.lr) if row.lr is not None else "every lr failed", str(len(row.chosen)),
+                 grid_text(row, table), *([claim(table, row.setting)[0] or "-", verdict(row, table)] * papers),
+                 f"{params:,}" if params else "-", f"{records.mean_and_spread(rates)[0]:,.0f}" if rates else "-"]
+        if provenance_columns:
+            every = list(row.grid.values()) + row.chosen
+            prov = [(r.get("provenance") or {}) for r in every if r is not None]
+            cells += [", ".join(sorted({records.kind_of(r) for r in every if r is not None})),
+                      ", ".join(sorted({p.get("date") or "not recorded" for p in prov})),
+                      ", ".join(sorted({(p.get("commit") or "not recorded")[:12] for p in prov}))]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return lines
+
+
+def dates(recs: Sequence[Mapping[str, Any]]) -> str:
+    days = sorted({(r.get("provenance") or {}).get("started_utc", "")[:10] for r in recs} - {""})
+    return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "date not recorded"
+
+
+def plot_name(table: Table) -> str:
+    return f"results_{table.key}.png"
+
+
+def plot(rows: Sequence[Row], table: Table, path: Path) -> None:
+    """The metric against eval length (log 2 axis), mean with sd error bars, a line per setting; fixed size, dpi and
+    style, no pyplot state, so the same records draw the same pixels."""
+    import matplotlib
+    import matplotlib.style
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    with matplotlib.style.context("default"):
+        fig = Figure(figsize=(8.0, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        cmap = matplotlib.colormaps["tab20"]
+        for i, row in enumerate(rows):
+            xs = [n for n in table.eval_lens if row.stats(table, n)[0] is not None]
+            dodge = 2 ** (0.03 * (i - (len(rows) - 1) / 2))
+            ax.errorbar([n * dodge for n in xs], [row.stats(table, n)[0] for n in xs],
+                        yerr=[row.stats(table, n)[1] or 0.0 for n in xs], marker="o", capsize=3, color=cmap(i % 20),
+                        linestyle="-" if i < 20 else "--", label=f"{row.setting} (lr {lr_text(row.lr)})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(table.eval_lens), [str(n) for n in table.eval_lens])
+        ax.minorticks_off()
+        ax.axvline(table.train_len, color="0.6", linestyle=":", linewidth=1)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlabel("eval length (dotted: training length)")
+        ax.set_ylabel(f"{table.metric}: mean ± sd over seeds")
+        ax.set_title(f"{table.title}, each setting at its chosen lr", fontsize=10)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+
+
+def anchor(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def coverage(tables: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]) -> list[str]:
+    """Cells x tables: ✓ (the cell's default setting under the protocol), k/n (jobs recorded so far), or -."""
+    cells = list(dict.fromkeys(s.cell for t in tables for s in t.settings))
+    head = ["cell", *(f"[{t.title}](#{anchor(t.title)})" for t in tables)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for cell in cells:
+        marks = []
+        for t in tables:
+            row = next((r for r in built[t.key][0] if r.setting == cell), None)
+            if t.setting(cell) is None:
+                marks.append("")
+            elif row is None or row.jobs() == 0:
+                marks.append("-")
+            else:
+                marks.append("✓" if row.complete else f"{row.jobs()}/{t.jobs_per_setting()}")
+        lines.append("| " + " | ".join([cell, *marks]) + " |")
+    return lines
+
+
+def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[Row]]]:
+    """The page's markdown and each table's rows under the protocol (for the plots)."""
+    built: dict[str, tuple[list[Row], Any]] = {}
+    for table in tables.values():
+        recs = records.read_table(docs, table.key)
+        commit, kind = source_group(recs)
+        mine = [r for r in recs if (records.commit_of(r), records.kind_of(r)) == (commit, kind)]
+        names = [s.name for s in table.settings] + sorted({r["setting"] for r in mine} - {s.name for s in table.settings})
+        built[table.key] = (rows_of(table, mine, names), (commit, kind, mine, len(recs) - len(mine)))
+    regenerated = [t for t in tables.values() if built[t.key][1][2]]
+    lines = ["# Results: the zoo under its protocol", "",
+             "Generated by `python -m rnnlab.zoo page` from the per-job records in `docs/zoo/records/` (written by "
+             "`python -m rnnlab.zoo run` and `collect`); never edited by hand: a test regenerates it and fails if it "
+             "differs. The protocol is `rnnlab/zoo/protocol.py`: each setting (a cell in its paper's block, and the "
+             "overrides that set it apart) trains its table's lr grid on seed 0; the lr whose seed-0 job scores best "
+             "on the headline metric at the training length is chosen (ties to the smaller lr; a diverged or failed "
+             "job scores nothing); the other seeds train at that lr. A row is the mean ± sd over every seed at the "
+             "chosen lr at each evaluated length, with seed 0's training-length value at every lr of the grid beside "
+             "it (the chosen one in bold). Each table is built from one commit on one kind of device, named in its "
+             "header; records of other commits or devices are counted there, not mixed in.", ""]
+    cell_tables = [t for t in tables.values() if t.cell_key == "model"]
+    if cell_tables:
+        lines += ["## Coverage", "", "Each cell's default setting in each table, at the table's commit and device: ✓ "
+                  "under the protocol (its grid and every seed at the chosen lr), k/n jobs recorded so far, - none yet "
+                  "(a table with none is not on the page yet: see [Earlier runs](#earlier-runs)).", "",
+                  *coverage(cell_tables, built), ""]
+    plotted: dict[str, list[Row]] = {}
+    for table in regenerated:
+        rows, (commit, kind, mine, others) = built[table.key]
+        done = [r for r in rows if r.complete]
+        waiting = [r for r in rows if not r.complete and r.jobs()]
+        lines += [f"## {table.title}", "", table.about, "",
+                  f"Commit `{(commit or 'not recorded')[:12]}` on {kind}, {dates(mine)}: {len(done)} of "
+                  f"{len(table.settings)} settings under the protocol, each at the lr its seed-0 grid chose on "
+                  f"{table.metric}@{table.train_len}; mean ± sd over {table.seeds} seeds at that lr."
+                  + (f" ({others} record(s) of other commits or devices not shown.)" if others else ""), ""]
+        if done:
+            lines += [*markdown_table(done, table), ""]
+            if any(r.lr is not None for r in done):
+                lines += [f"![{table.title}]({plot_name(table)})", ""]
+                plotted[table.key] = [r for r in done if r.lr is not None]
+        if waiting:
+            lines += ["In progress: " + ", ".join(f"{r.setting} ({r.jobs()}/{table.jobs_per_setting()} jobs)"
+                                                  for r in waiting) + ".", ""]
+        if table.key in ("parity", "s3") and done:
+            lines += ["The papers' column: what Grazzi et al. (2025), Siems et al. (2025), Merrill et al. (2024), "
+                      "Deletang et al. (2023) and Beck et al. (2024) report for such a model, as recalled in the "
+                      f"[history file]({HISTORY}), not re-read: their arguments, not their tables; where a row "
+                      f"disagrees, the row is the measurement. \"agrees?\": a claim that the model solves the task "
+                      f"holds where the seeds' mean reaches {SOLVED} at every evaluated length, one that it does not "
+                      "where the longest stays below it; \"partly\": solved at the training length only.", ""]
+    lines += earlier(docs, tables, built)
+    return "\n".join(lines).rstrip("\n") + "\n", plotted
+
+
+def earlier(docs: Path, tables: Mapping[str, Table], built: Mapping[str, tuple[list[Row], Any]]) -> list[str]:
+    """Earlier runs (docs/zoo/earlier/, converted from the CSVs before records existed): the settings no regenerated
+    row covers yet, under the same rule, with their machine, date and commit as far as they were recorded."""
+    lines = ["## Earlier runs", "", "Jobs run before the records (and their commit) were kept, converted from the "
+             "CSVs of those sessions with what they recorded: the machine and date as the benchmark history quotes "
+             f"them ([history]({HISTORY})), the commit where a CSV had it. Rows mix commits and machines, so they "
+             "are not comparable with the tables above; a setting leaves this section once a regenerated table holds "
+             "it under the protocol.", ""]
+    for table in tables.values():
+        recs = records.read(Path(docs) / "zoo" / "earlier" / f"{table.key}.jsonl")
+        covered = {r.setting for r in built.get(table.key, ([], None))[0] if r.complete}
+        names = [n for n in dict.fromkeys(r["setting"] for r in recs) if n not in covered]
+        if not names:
+            continue
+        rows = rows_of(table, recs, names)
+        inside = [r for r in rows if r.complete]
+        lines += [f"### {table.title}: earlier runs", ""]
+        if inside:
+            lines += [*markdown_table(inside, table, provenance_columns=True), ""]
+        outside = [r for r in rows if not r.complete]
+        if outside:
+            lines += ["Outside the protocol (part of the grid or a single seed): " + ", ".join(
+                f"{r.setting} ({r.jobs()} jobs)" for r in outside) + ".", ""]
+    return lines
+
+
+def write(docs: Path, tables: Mapping[str, Table], plots: bool = True) -> list[Path]:
+    """docs/results.md and, with `plots`, a plot per regenerated table with rows (matplotlib, if installed)."""
+    text, plotted = build(Path(docs), tables)
+    page = Path(docs) / PAGE
+    page.write_text(text)
+    written = [page]
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return written
+        for key, rows in plotted.items():
+            path = Path(docs) / plot_name(tables[key])
+            plot(rows, tables[key], path)
+            written.append(path)
+    return written

@@ -1,0 +1,198 @@
+"""The zoo's runner, records and page (rnnlab.zoo) against a stand-in train.py that writes results.json at once:
+the protocol's order (seed 0's grid, then the other seeds at the lr the rule chose), resuming after a deadline, the
+records, and a page that the same records regenerate byte for byte. The real train.py runs in
+tests/test_zoo_end_to_end.py (full tier)."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rnnlab.zoo import cli, page, protocol, records, runner
+from rnnlab.zoo.protocol import Setting, Table, choose_lr
+
+KIND = "CPU (Stand-in, 2 cores)"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# Seed 0's score by (cell, lr): gru ties at 1e-3 and 3e-3 (the smaller wins); rnn diverges at 3e-3.
+SCORES = {("rnn", "0.001"): 0.6, ("rnn", "0.003"): None, ("rnn", "0.01"): 0.7,
+          ("gru", "0.001"): 0.9, ("gru", "0.003"): 0.9, ("gru", "0.01"): 0.5}
+
+FAKE_TRAIN = '''
+import json, os, signal, sys, time
+args = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)
+run_dir = args["hydra.run.dir"]
+os.makedirs(run_dir, exist_ok=True)
+with open(os.path.join(os.path.dirname(run_dir), "..", "..", "starts.log"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+scores = %(scores)r
+cell, lr, seed = args["model"], repr(float(args["optimizer.lr"])), int(args["seed"])
+score = scores[(cell, lr)]
+status = "completed" if score is not None else "diverged"
+def write(status, step):
+    results = {"status": status, "step": step, "eval_loss": 0.1, "eval_metrics": {"accuracy": score},
+               "eval_by_len": {"8": {"loss": 0.1, "accuracy": score}, "16": {"loss": 0.2, "accuracy": (score or 0) / 2}},
+               "num_params": 10, "tokens_per_sec": 100.0, "wall_seconds": 1.0,
+               "provenance": {"commit": %(commit)r, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2},
+                              "started_utc": "2026-12-01T00:00:00Z"}}
+    json.dump(results, open(os.path.join(run_dir, "results.json"), "w"))
+signal.signal(signal.SIGTERM, lambda *a: (write("preempted", 1), sys.exit(75)))
+time.sleep(float(os.environ.get("FAKE_SECONDS", "0")))
+write(status, 6)
+'''
+
+
+def tiny_table(settings=("rnn", "gru")) -> Table:
+    return Table("tiny", "Tiny parity", "zoo_parity", (), tuple(Setting(s) for s in settings), (1e-3, 3e-3, 1e-2), 3,
+                 6, "accuracy", True, 8, (8, 16), "A stand-in table.")
+
+
+@pytest.fixture
+def code(tmp_path):
+    folder = tmp_path / "code"
+    folder.mkdir()
+    (folder / "train.py").write_text(FAKE_TRAIN % {"scores": SCORES, "commit": COMMIT})
+    return folder
+
+
+def run_once(tmp_path, code, table, deadline=float("inf"), executor_class=runner.Executor, parallel=2):
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    lines = []
+
+    def record(done):
+        records.merge(tmp_path / "docs", table, done)
+
+    code_ = runner.run(ledger, [table], executor_class(code, tmp_path / "out", [], pin=False), parallel, deadline,
+                       grace=5.0, say=lines.append, on_done=record)
+    return code_, lines
+
+
+def starts(tmp_path):
+    return [dict(a.split("=", 1) for a in line.split() if "=" in a)
+            for line in (tmp_path / "out" / "starts.log").read_text().splitlines()]
+
+
+def test_the_rule_chooses_on_seed_0_ties_to_the_smaller_lr_and_skips_failures():
+    assert choose_lr({1e-3: 0.9, 3e-3: 0.9, 1e-2: 0.5}, True) == 1e-3
+    assert choose_lr({1e-3: 0.6, 3e-3: None, 1e-2: 0.7}, True) == 1e-2
+    assert choose_lr({1e-3: 2.1, 3e-3: 2.0}, False) == 3e-3  # lower is better (bits per character)
+    assert choose_lr({1e-3: None, 3e-3: float("nan")}, True) is None
+
+
+def test_the_grid_runs_on_seed_0_then_the_seeds_at_the_chosen_lr_and_a_rerun_runs_nothing(tmp_path, code):
+    table = tiny_table()
+    exit_code, lines = run_once(tmp_path, code, table)
+    assert exit_code == 0 and lines[-1].startswith("[10/10]") and "done" in lines[-1]
+    jobs = starts(tmp_path)
+    assert len(jobs) == 10
+    # Every seed-0 job of a setting starts before that setting's other seeds, which run at the chosen lr only.
+    for cell, chosen in (("rnn", "1e-2"), ("gru", "1e-3")):
+        mine = [j for j in jobs if j["model"] == cell]
+        assert [j["seed"] for j in mine[:3]] == ["0"] * 3
+        assert {(j["optimizer.lr"], j["seed"]) for j in mine[3:]} == {(chosen, "1"), (chosen, "2")}
+    recs = records.read_table(tmp_path / "docs", "tiny")
+    assert len(recs) == 10 and {r["provenance"]["commit"] for r in recs} == {COMMIT}
+    assert {r["status"] for r in recs} == {"completed", "diverged"}
+    # Done jobs are not run again, from the run dirs or, on another machine, from the committed records alone.
+    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 10
+    import shutil
+
+    shutil.rmtree(tmp_path / "out" / "tiny")
+    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 10
+
+
+def test_records_of_another_commit_or_device_do_not_count(tmp_path, code):
+    table = tiny_table(("gru",))
+    other = records.record_from_results(table, table.settings[0], 1e-3, 0, {
+        "status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.9},
+        "provenance": {"commit": "f" * 40, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}, "x")
+    records.merge(tmp_path / "docs", table, [other])
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    assert runner.make_plan(ledger, [table]).done == []
+
+
+def test_a_deadline_stops_jobs_with_sigterm_and_the_next_run_resumes(tmp_path, code, monkeypatch):
+    monkeypatch.setenv("FAKE_SECONDS", "30")
+    table = tiny_table(("gru",))
+    started = time.time()
+    exit_code, lines = run_once(tmp_path, code, table, deadline=time.time() + 3)
+    assert exit_code == 75 and time.time() - started < 20
+    assert any(line.startswith("deadline: stopping 2 running jobs") for line in lines)
+    stopped = [json.loads(p.read_text())["status"] for p in (tmp_path / "out" / "tiny").glob("*/*/results.json")]
+    assert stopped == ["preempted", "preempted"]
+    assert records.read_table(tmp_path / "docs", "tiny") == []  # a preempted job is no record
+    monkeypatch.setenv("FAKE_SECONDS", "0")
+    assert run_once(tmp_path, code, table)[0] == 0
+    assert len(records.read_table(tmp_path / "docs", "tiny")) == 5
+
+
+def test_the_population_executor_runs_a_settings_grid_then_its_seeds_as_one_program_each(tmp_path):
+    table = tiny_table(("gru",))
+    job = runner.Job(table, table.settings[0], 1e-3, 0)
+    executor = runner.PopulationExecutor(tmp_path, tmp_path / "out", ["hidden_dim=8"], pin=False)
+    grid, = executor.units(runner.grid_jobs(table, table.settings[0]))
+    cmd, _ = executor.command(grid)
+    assert "-m" in cmd and "optimizer.lr=1e-3,3e-3,1e-2" in cmd and "seed=0" in cmd and "hidden_dim=8" in cmd
+    assert "hydra/launcher=population" in cmd and f"hydra.sweep.dir={job.run_dir(tmp_path / 'out').parent.resolve()}" in cmd
+    seeds, = executor.units(runner.seed_jobs(table, table.settings[0], 3e-3))
+    cmd, _ = executor.command(seeds)
+    assert "optimizer.lr=3e-3" in cmd and "seed=1,2" in cmd
+    # Hydra names each member's run dir as the processes executor does.
+    assert "hydra.sweep.subdir=lr${optimizer.lr}_seed${seed}" in cmd and protocol.job_dirname(3e-3, 1) == "lr0.003_seed1"
+
+
+def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_path, code):
+    table = tiny_table()
+    assert run_once(tmp_path, code, table)[0] == 0
+    docs = tmp_path / "docs"
+    first = page.build(docs, {"tiny": table})[0]
+    assert first == page.build(docs, {"tiny": table})[0]
+    assert f"Commit `{COMMIT[:12]}` on {KIND}" in first and "2 of 2 settings under the protocol" in first
+    row = next(line for line in first.splitlines() if line.startswith("| gru |") and "±" in line)
+    assert "| 0.9 ± 0 |" in row and "| 1e-3 | 3 | **0.9** / 0.9 / 0.5 |" in row
+    rnn = next(line for line in first.splitlines() if line.startswith("| rnn |") and "±" in line)
+    assert "0.6 / diverged / **0.7**" in rnn
+    assert "| rnn | ✓ |" in first  # the coverage matrix
+
+
+def test_the_cli_refuses_bad_input_in_one_line(capsys):
+    assert cli.main(["run", "core", "--", "steps=10"]) == 2
+    assert "the protocol sets 'steps'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "core", "--deadline", "soon"])
+    assert e.value.code == 2 and "--deadline: got 'soon'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", "nosuch"])
+    assert e.value.code == 2
+
+
+def test_the_core_suite_is_every_cell_on_four_tables_with_the_fixed_protocols():
+    from rnnlab.cells import CELLS
+
+    tables = protocol.suite_tables("core")
+    assert [t.key for t in tables] == ["parity", "selective_copy", "mqar8", "s3"]
+    package_cells = {n for n, c in CELLS.items() if c.__module__.startswith("rnnlab.")}
+    for table in tables:
+        assert {s.cell for s in table.settings} == package_cells
+        assert table.seeds == 3 and table.eval_lens[0] == table.train_len
+    s3 = protocol.TABLES["s3"]
+    assert s3.lrs == (1e-3, 3e-3) and s3.steps == 4000 and s3.metric == "sequence_accuracy"
+    assert all(t.lrs == protocol.ZOOLOGY_LRS for t in tables if t.key != "s3")
+    assert sum(len(t.settings) * t.jobs_per_setting() for t in tables) == 476
+
+
+def test_every_table_s_job_composes_with_the_preset_it_names():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import train
+
+    for table in protocol.TABLES.values():
+        for setting in (table.settings[0], table.settings[-1]):
+            overrides = table.job_overrides(setting, table.lrs[-1], 2)
+            assert train.config_exit(overrides) == (0, ""), overrides
+
+
+def test_the_committed_page_is_what_the_records_generate():
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert (docs / "results.md").read_text() == page.build(docs, protocol.TABLES)[0], \
+        "docs/results.md is generated: run `python -m rnnlab.zoo page`"
