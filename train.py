@@ -5,9 +5,11 @@ Composes conf/ with Hydra, turns it into validated dataclasses and runs
 eval loss so that optimising sweepers (Optuna) can minimise it.
 
 Exit codes, each with one line on stderr: 0 done; 1 a bug (its traceback goes to train.log);
-2 bad input (config, a run dir in use or unwritable, a refused resume change, unreadable
-checkpoints, a step that does not fit in memory); 3 training diverged (NaN/Inf); 74 the run
-dir could not be written mid-run (disk full, read-only: the last checkpoint is intact);
+2 bad input (config, a run dir in use, a refused resume change, unreadable
+checkpoints, a step that does not fit in memory, an eval length predicted past eval_max_minutes; a sweep dir
+another sweep holds); 3 training diverged
+(NaN/Inf); 74 the run dir or a sweep's dir cannot be written, at the start or mid-run (disk full, read-only:
+the last checkpoint is intact);
 75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume);
 130 aborted by a second SIGINT. No failure leaves the process waiting on a stuck thread.
 """
@@ -39,7 +41,8 @@ from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
-from rnnlab.sweep_status import SWEPT_KEYS_ENV, job_output_to, varied_overrides
+from rnnlab.rundir import RunDirBusy
+from rnnlab.sweep_status import SWEPT_KEYS_ENV, SweepRefused, job_output_to, varied_overrides
 
 # Importing orbax (absl) calls logging.basicConfig(); Hydra configures logging itself, and with both
 # every line of `--info` and of Hydra's own messages printed twice.
@@ -125,6 +128,13 @@ def stable_preset(overrides: list) -> str | None:
 
 
 _sweep_dir_used: list[str] = []  # the sweep dir this process resolved (the launcher resolves it first)
+
+
+def in_sweep(args: list[str] | None = None) -> bool:
+    """Whether this process runs a sweep (`-m`): it resolved conf/config.yaml's sweep dir, or the command line
+    asks for one (with `hydra.sweep.dir=...` given, nothing resolves it)."""
+    args = sys.argv[1:] if args is None else args
+    return bool(_sweep_dir_used) or any(a in ("-m", "--multirun") for a in args)
 
 
 def sweep_dir() -> str:
@@ -241,6 +251,9 @@ def sweep_job(task):
             if e.code in (0, None, EXIT_PREEMPTED) or not isinstance(e.__context__, Exception):
                 raise  # preempted or interrupted: stop the sweep; rerunning it resumes every job
             error, code = str(e.__context__), e.code
+            if isinstance(e.__context__, RunDirBusy):  # another process's run dir: its results.json is not ours
+                log.error("job %d failed (%s): %s", hydra_cfg.job.num, " ".join(overrides), error)
+                raise JobFailed(f"job {hydra_cfg.job.num} ({' '.join(overrides)}): {error}", code) from None
         except Exception as e:  # a bug, not bad input: keep the traceback in the job's train.log
             log.exception("job %d crashed", hydra_cfg.job.num)
             error, code = f"{type(e).__name__}: {e}".splitlines()[0], 1
@@ -341,7 +354,7 @@ def composition_error_line(e: Exception, args: list[str]) -> str | None:
 
 def interrupt(signum: int, frame: object) -> None:
     """SIGTERM in a sweep's launcher: stop as Ctrl-C does; elsewhere what it did before (end the process)."""
-    if _sweep_dir_used:
+    if in_sweep():
         raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
@@ -377,9 +390,11 @@ def run_cli() -> None:
     try:
         try:
             main()
+        except SweepRefused as e:  # its sweep dir is another sweep's, or cannot be written: nothing was started
+            fail(e.message, e.code)
         except (KeyboardInterrupt, SystemExit) as e:
             interrupted = isinstance(e, KeyboardInterrupt) or e.code in (EXIT_PREEMPTED, EXIT_ABORTED)
-            if interrupted and _sweep_dir_used:  # a sweep (its dir was resolved), stopped by a signal
+            if interrupted and in_sweep():  # a sweep, stopped by a signal
                 code = EXIT_ABORTED if isinstance(e, KeyboardInterrupt) else e.code
                 fail(f"sweep interrupted; resume it with: {resume_command(sys.argv[1:])}", code)
             raise
@@ -388,13 +403,17 @@ def run_cli() -> None:
              e.exit_code)
     except HydraException as e:  # unknown key or config option, malformed override
         fail(hydra_error_line(e, sys.argv[1:]), EXIT_BAD_INPUT)
+    except ConfigError as e:  # a launcher's refusal (hydra/launcher=population: a run dir another sweep holds)
+        fail(str(e), EXIT_BAD_INPUT)
     except COMPOSITION_ERRORS as e:  # an override Hydra's own checks let through
         line = composition_error_line(e, sys.argv[1:])
         if line is None:
             raise
         fail(line, EXIT_BAD_INPUT)
-    except OSError as e:  # Hydra could not create or write the run dir
-        fail(f"cannot write the run dir: {e}", EXIT_BAD_INPUT)
+    except OSError as e:  # Hydra could not create or write the run dir (a sweep's: its sweep dir)
+        if in_sweep():
+            fail(f"key 'hydra.sweep.dir': cannot write the sweep dir: {e}".splitlines()[0], EXIT_CANNOT_WRITE)
+        fail(f"key 'hydra.run.dir': cannot write the run dir: {e}".splitlines()[0], EXIT_CANNOT_WRITE)
     except KeyboardInterrupt:
         fail("aborted by a second interrupt; the last completed checkpoint is intact", EXIT_ABORTED)
 

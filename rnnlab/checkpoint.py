@@ -194,7 +194,8 @@ def _is_record(value: Any) -> bool:
 
 
 class PreemptionGuard:
-    """Turns SIGTERM and a first SIGINT into a flag the training loop polls between steps.
+    """Turns SIGTERM and a first SIGINT into a flag the training loop polls between steps, and an evaluation
+    between its lengths and between the chunks of a length run in segments (`steps.SegmentedEval`).
 
     A second SIGINT raises KeyboardInterrupt at once. Outside the main thread signal
     handlers cannot be installed, and the guard is inert.
@@ -210,7 +211,8 @@ class PreemptionGuard:
         name = signal.Signals(signum).name
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        log.warning("%s received: finishing the steps in progress, saving a checkpoint, then exiting", name)
+        log.warning("%s received: finishing the steps (or the eval's chunk) in progress, saving a checkpoint, then "
+                    "exiting", name)
         self.requested = name
 
     def __enter__(self) -> "PreemptionGuard":

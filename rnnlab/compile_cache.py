@@ -10,6 +10,10 @@ segfaulting). So that a bad entry costs at most one crash: while JAX reads or co
 the process keeps a marker file beside it; a run that finds the marker of a process that is gone (it died
 there) moves the cache aside before it compiles anything, and says so. Where even one crash is too many
 (CI), `RNNLAB_COMPILE_CACHE=0` in the environment turns the cache off for every run, whatever the config says.
+
+An entry that cannot be read (truncated, damaged: JAX would warn `Error reading persistent compilation cache
+entry` and compile, at every run, without ever writing it again) is renamed `<entry>.unreadable` beside the
+others (`guard_reads`): the program compiles afresh and its new entry is written, so that the next run hits.
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def enable(enabled: bool) -> CacheUse | None:
     """JAX's persistent cache for this process's next compilations, before anything compiles: with `enabled`,
     in the dir JAX was given, else in rnnlab's (`default_dir`), programs that take 0.1 s or more to compile
     kept; off otherwise (None). A cache that a process died reading is moved aside first
-    (`quarantine_if_crashed`). Jobs of one process (a launcher's worker, the tests) may call it in turn."""
+    (`quarantine_if_crashed`), an entry that cannot be read as it is met (`guard_reads`). Jobs of one process
+    (a launcher's worker, the tests) may call it in turn."""
     global _use
     import jax
     from jax.experimental.compilation_cache import compilation_cache
@@ -109,11 +114,71 @@ def enable(enabled: bool) -> CacheUse | None:
         _state[:] = [(enabled, str(directory))]
     if not enabled:
         return None
+    guard_reads(directory)
     if _use is None:
         _use = CacheUse(directory, guard)
         jax.monitoring.register_event_listener(_use.on_event)
         jax.monitoring.register_event_duration_secs_listener(_use.on_duration)
     return _use
+
+
+UNREADABLE_SUFFIX = ".unreadable"
+_read_guard: list[Path] = []  # the cache dir whose unreadable entries `guard_reads` moves aside (once installed)
+
+
+def guard_reads(directory: Path) -> None:
+    """From now on, an entry of `directory` that JAX cannot read (decompress, unpack or deserialise) is moved aside
+    as `<entry>.unreadable`, said in one warning naming it, and counted as a miss: JAX compiles the program and
+    writes its entry afresh (it never overwrites an entry that exists). Wraps JAX's
+    `compilation_cache.get_executable_and_time`, the one function that reads an entry; a JAX without it is left
+    as it is (its warning and miss at every run)."""
+    from jax._src import compilation_cache as jax_cache
+
+    _read_guard[:] = [Path(directory)]
+    original = getattr(jax_cache, "get_executable_and_time", None)
+    if original is None or getattr(original, "_rnnlab_guard", False):
+        return
+
+    def get_executable_and_time(cache_key: str, *args: object, **kwargs: object) -> object:
+        try:
+            return original(cache_key, *args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - any failure to read this one entry: set it aside, compile afresh
+            verification = getattr(jax_cache, "CacheVerificationError", ())
+            if (verification and isinstance(e, verification)) or _raise_cache_errors():
+                raise
+            quarantine_entry(cache_key, e)
+            return None, None
+
+    get_executable_and_time._rnnlab_guard = True  # type: ignore[attr-defined]
+    jax_cache.get_executable_and_time = get_executable_and_time
+
+
+def _raise_cache_errors() -> bool:
+    import jax
+
+    try:
+        return bool(jax.config.jax_raise_persistent_cache_errors)
+    except AttributeError:
+        return False
+
+
+def quarantine_entry(cache_key: str, error: BaseException) -> Path | None:
+    """Move the entry of `cache_key` in the guarded dir to `<entry>.unreadable` (replacing an older one) and say so;
+    returns where it went, None if it is not a file there (JAX's other cache kinds: left to JAX)."""
+    if not _read_guard:
+        return None
+    entry = _read_guard[0] / f"{cache_key}-cache"  # jax._src.lru_cache's name for an entry
+    aside = entry.with_name(entry.name + UNREADABLE_SUFFIX)
+    reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:200]
+    try:
+        os.replace(entry, aside)
+    except OSError as e:
+        log.warning("the compilation cache entry %s cannot be read (%s) nor moved aside (%s): compiling without it",
+                    entry, reason, e.strerror or e)
+        return None
+    log.warning("the compilation cache entry %s cannot be read (%s): moved aside as %s, compiling afresh", entry,
+                reason, aside.name)
+    return aside
 
 
 def quarantine_if_crashed(directory: Path) -> Path | None:

@@ -251,6 +251,10 @@ class Config:
     profile: ProfileConfig
     log: LogConfig
     zoo: ZooConfig
+    # An evaluated length whose time, predicted from the speed of its first segments (`data.eval_segment_len`), is
+    # longer is refused (exit 2) with the checkpoint of its step saved; None: no limit. A default: a config from
+    # before the key existed reads as today's.
+    eval_max_minutes: Optional[float] = allowed(60.0, null=True, **POSITIVE)
 
 
 def from_omegaconf(cfg: Any) -> Config:

@@ -21,7 +21,7 @@ from rnnlab import config as cfg
 from rnnlab import memory
 from rnnlab.checkpoint import Checkpointer, CheckpointSaveError, PreemptionGuard
 from rnnlab.report import NonFiniteLossError, Reporter
-from rnnlab.steps import MAX_STEPS_IN_FLIGHT, StepFunctions
+from rnnlab.steps import MAX_STEPS_IN_FLIGHT, EvalInterrupted, EvalTooLongError, StepFunctions
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
@@ -117,13 +117,14 @@ class _Loop:
                 queue.make_room(n)
                 state, step = self._dispatch(queue, state, step, n)
                 stopping = stop_requested(guard, step)
-                self._between_dispatches(queue, state, step, stopping)  # ends with the queue read at the last step
+                # ends with the queue read at the last step; a stop during an eval stops here too
+                stopping = self._between_dispatches(queue, state, step, stopping, guard)
                 if stopping:
                     reporter.stop_clock()
                     return "preempted", state
-        reporter.stop_clock()
-        if start_step >= config.steps:  # nothing left to train: evaluate the restored state
-            self._evaluate(start_step, state)
+            reporter.stop_clock()
+            if start_step >= config.steps and not self._evaluate(start_step, state, guard):
+                return "preempted", state  # nothing left to train: the restored state evaluated, or stopped
         return "completed", state
 
     def _dispatch(self, queue: MetricQueue, state: Any, step: int, n: int) -> tuple[Any, int]:
@@ -134,17 +135,27 @@ class _Loop:
         self.reporter.dispatched(step + n, n, metrics)
         return state, step + n
 
-    def _between_dispatches(self, queue: MetricQueue, state: Any, step: int, stopping: bool) -> None:
-        """The work due after `step`: a log line, an eval, histograms, a checkpoint."""
+    def _between_dispatches(self, queue: MetricQueue, state: Any, step: int, stopping: bool,
+                            guard: PreemptionGuard) -> bool:
+        """The work due after `step`: a log line, an eval, histograms, a checkpoint; returns whether to stop (as
+        `stopping` said, or a stop requested during the eval, which then ends unreported). An eval refused as too
+        long (EvalTooLongError) is raised once the checkpoint of this step is saved."""
         config, reporter, is_last = self.config, self.reporter, step == self.config.steps
-        if step % config.log_every == 0 or is_last or stopping:
+        logged = step % config.log_every == 0 or is_last or stopping
+        if logged:
             queue.read()
             reporter.close_window(step)
-        if step % config.eval_every == 0 or is_last:
+        refused = None
+        if (step % config.eval_every == 0 or is_last) and not stopping:
             queue.read()  # queued steps count as training, not eval
             with reporter.paused():
-                self._evaluate(step, state)
-        if config.log.histograms_every and step % config.log.histograms_every == 0:
+                try:
+                    stopping = not self._evaluate(step, state, guard)
+                except EvalTooLongError as e:
+                    refused, stopping = e, True
+            if stopping and not logged:  # the preempted step's partial window, logged on the way out
+                reporter.close_window(step)
+        if config.log.histograms_every and step % config.log.histograms_every == 0 and refused is None:
             queue.read()
             reporter.check_finite(step)  # a diverged run stops as diverged, not in the histogram
             with reporter.paused():
@@ -155,13 +166,29 @@ class _Loop:
             with reporter.paused():
                 reporter.flush()  # events up to a checkpoint are on disk before the checkpoint is
                 self.checkpointer.save(step, self.fns.dp.to_host(state), force=True)
+        if refused is not None:
+            raise refused
+        return stopping
 
-    def _evaluate(self, step: int, state: Any) -> None:
-        """Every evaluated length, and the eval examples of tasks with a symbol per step."""
-        by_length, examples = self.fns.evaluate(state)
+    def _evaluate(self, step: int, state: Any, guard: PreemptionGuard) -> bool:
+        """Every evaluated length, and the eval examples of tasks with a symbol per step; False if a stop was
+        requested (SIGTERM, a first Ctrl-C) before or during it: then nothing of it is logged. Checked before
+        each length and between the chunks of one run in segments (`StepFunctions.evaluate`)."""
+        try:
+            by_length, examples = self.fns.evaluate(state, lambda: guard.requested is not None)
+        except EvalInterrupted:
+            return False
         self.reporter.log_eval(step, by_length)
         if examples is not None:
             self.reporter.log_examples(step, *examples)
+        if self.fns.samples is not None:  # data=text: a few sampled texts
+            self.reporter.log_text(step, {"eval/samples": self.fns.samples(state)})
+        if step >= self.config.steps and self.fns.final_evaluators:  # data=text: the test text, once, at the end
+            try:
+                self.reporter.log_final_eval(step, self.fns.evaluate_final(state, lambda: guard.requested is not None))
+            except EvalInterrupted:
+                return False
+        return True
 
 
 def next_stop(config: cfg.Config, step: int, num_processes: int = 1) -> int:

@@ -90,6 +90,34 @@ def check_state_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.D
                devices=devices, config=config)
 
 
+def check_eval_batches_fit(state: Any, batches: Sequence[Any], extra: dict[int, Any], devices: Sequence[jax.Device],
+                           config: Config, kept_per_device: float, forward_per_device: float, segmentable: bool) -> None:
+    """Once `check_state_fits(state, batches, ...)` passed: OutOfMemoryError naming `data.eval_seq_lens` unless the
+    batches of the further lengths evaluated whole (`extra`: {length: a global batch}) fit beside them too, with
+    `forward_per_device` bytes for the longest one's forward (a layer's outputs over one device's batch, what it
+    holds at least; the train step's `kept_per_device` is not held at the same time). segmentable: the task runs
+    in segments, which the refusal then suggests."""
+    if not extra:
+        return
+    free = free_bytes(devices)
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    sizes = [tree_bytes(batch) for batch in [*batches, *extra.values()]]
+    on_devices = (sizes[0] + config.eval_batches * sum(sizes[1:])) / max(1, jax.process_count())
+    device_bytes = tree_bytes(state) + on_devices / local + max(kept_per_device, forward_per_device)
+    needed = tree_bytes(state) + device_bytes * local if devices[0].platform == "cpu" else device_bytes
+    if free is None or needed <= free:
+        return
+    longest = max(extra)
+    segment = max(1, min(config.data.eval_segment_len or 4096, longest // 2))
+    allowed = (f"shorter lengths, fewer eval_batches, or data.eval_segment_len={segment} (longer lengths run "
+               f"in segments of it, in memory that does not grow with the length)" if segmentable else
+               f"shorter lengths or fewer eval_batches (the {config.data.task} task is not evaluated in segments)")
+    raise OutOfMemoryError(
+        f"key 'data.eval_seq_lens': evaluating {longest} steps whole keeps eval_batches={config.eval_batches} "
+        f"batches of every length and its forward on the devices, about {needed / GiB:.3g} GiB with training, but "
+        f"{free / GiB:.3g} GiB of {devices[0].platform} memory is free; allowed: {allowed}")
+
+
 def check_eval_state_fits(state_bytes: float, length: int, devices: Sequence[jax.Device], config: Config) -> None:
     """OutOfMemoryError naming `data.eval_seq_lens` unless the model's state for one device's batch at `length`
     steps, evaluated in segments (`data.eval_segment_len`), fits: a recurrence's does whatever the length,

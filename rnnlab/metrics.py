@@ -180,15 +180,18 @@ def write_failure(path: Path, error: str, exit_code: int, overrides: list[str], 
     Keeps what the trainer already wrote there for this job (e.g. status "diverged" with
     its last metrics); `started` is the job's start (time.time()). A results.json older than
     that is an earlier run's (a rerun refused before it trained, e.g. a resume it may not make):
-    it stays, and this attempt's failure goes beside it, `results.failed_attempt.json`.
+    a completed one stays, and this attempt's failure goes beside it, `results.failed_attempt.json`;
+    an unfinished one (preempted, failed) is this job's record to date, and says "failed" now.
     """
     results: dict[str, Any] = {"status": "failed"}
-    if path.exists() and path.stat().st_mtime < started:
-        path = path.with_name("results.failed_attempt.json")
-    elif path.exists():
-        with contextlib.suppress(ValueError):
-            results = json.loads(path.read_text())
-    if results.get("status") == "completed":  # failed after writing its results (e.g. a callback)
+    earlier = path.exists() and path.stat().st_mtime < started
+    if path.exists():
+        with contextlib.suppress(ValueError, OSError):
+            found = json.loads(path.read_text())
+            results = found if isinstance(found, dict) else results
+    if earlier and results.get("status") == "completed":
+        path, results = path.with_name("results.failed_attempt.json"), {"status": "failed"}
+    if earlier or results.get("status") == "completed":  # its rerun failed, or it failed after writing its results
         results["status"] = "failed"
     results.update(error=error, exit_code=exit_code, overrides=overrides)
     results.setdefault("wall_seconds", time.time() - started)

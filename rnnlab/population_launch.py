@@ -5,12 +5,16 @@ Each job keeps what Hydra's basic launcher gives it: its run dir and `.hydra/`, 
 status line, one per finished job), its train.log (the lines of its own run, and those of the population it
 trained in), its results.json and exit status; the program's own console (model summaries, XLA's lines)
 goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else, or that cannot resume
-from one step (`_groups`), train in separate populations, one after another. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
+from one step (`_groups`), train in separate populations, one after another. A job's own fault (its run dir, its
+checkpoints, its resume, a failed save) fails that job alone (`rnnlab.population.train_population`); a job whose run
+completed with its config is reported done and left as it is; a run dir another process holds refuses the whole
+launch before anything is written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
 on the path).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -53,20 +57,27 @@ class _Job:
         self.overrides = list(config.hydra.overrides.task)
         self.varied = varied_overrides(config.hydra)
         self.output_dir = Path(config.hydra.runtime.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        if config.hydra.output_subdir is not None:
-            hydra_output = self.output_dir / str(config.hydra.output_subdir)
-            _save_config(self.task_cfg, "config.yaml", hydra_output)
-            _save_config(self.hydra_cfg, "hydra.yaml", hydra_output)
-            _save_config(config.hydra.overrides.task, "overrides.yaml", hydra_output)
         self.log_file = self.output_dir / f"{config.hydra.job.name}.log"
         self.rnnlab_config: Any = None
         self.error: JobFailed | None = None
+        self.setup_error: tuple[str, int] | None = None  # (line, exit code) of a run dir that cannot be locked
+
+    def write_hydra_files(self) -> None:
+        """`.hydra/` (config.yaml, hydra.yaml, overrides.yaml), as Hydra's `run_job` writes it; OSError if it cannot."""
+        if self.config.hydra.output_subdir is not None:
+            hydra_output = self.output_dir / str(self.config.hydra.output_subdir)
+            _save_config(self.task_cfg, "config.yaml", hydra_output)
+            _save_config(self.hydra_cfg, "hydra.yaml", hydra_output)
+            _save_config(self.config.hydra.overrides.task, "overrides.yaml", hydra_output)
 
     def fail(self, message: str, code: int) -> None:
-        """This job failed (before or while it trained): results.json says so, and Hydra's sweeper gets JobFailed."""
+        """This job failed (before or while it trained): results.json says so (as far as its run dir can be
+        written), and Hydra's sweeper gets JobFailed."""
         logging.getLogger("rnnlab").error("job %d failed (%s): %s", self.num, " ".join(self.overrides), message)
-        write_failure(self.output_dir / "results.json", message, code, self.overrides, self.started)
+        try:
+            write_failure(self.output_dir / "results.json", message, code, self.overrides, self.started)
+        except OSError as e:
+            logging.getLogger("rnnlab").error("job %d: cannot write its results.json (%s)", self.num, e.strerror or e)
         self.error = JobFailed(f"job {self.num} ({' '.join(self.overrides)}): {message}", code)
 
     def job_return(self, value: Any) -> JobReturn:
@@ -77,8 +88,22 @@ class _Job:
         return ret
 
 
+def max_members_value(value: Any) -> int | None:
+    """`hydra.launcher.max_members`: null or an integer >= 1; anything else a HydraException (exit 2, one line)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HydraException(f"key 'hydra.launcher.max_members': got {value!r}, allowed: null or an integer >= 1")
+    return value
+
+
 def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list[JobReturn]:
-    """The population launcher's `launch`: every job set up in order, grouped into populations, each trained."""
+    """The population launcher's `launch`: every job set up in order, grouped into populations, each trained.
+
+    Before it writes anything of a job (.hydra/, train.log, results.json, the callbacks' counts) it takes every
+    job's run-dir lock: a run dir held by another process (another sweep on this sweep dir) refuses the whole
+    launch (RunDirBusy, exit 2), touching nothing. A job whose run completed with its config (`rundir.final_record`)
+    is reported done (its callbacks, its eval loss) and left out of every program."""
     from rnnlab.population import MEMBER_KEYS
 
     setup_globals()
@@ -87,44 +112,101 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     unknown = [k for k in member_keys if k not in MEMBER_KEYS]
     if unknown:
         raise HydraException(f"key 'hydra.launcher.member_keys': got {unknown[0]!r}, allowed: {', '.join(MEMBER_KEYS)}")
-    max_members = launcher.max_members
-    if max_members is not None and int(max_members) < 1:
-        raise HydraException(f"key 'hydra.launcher.max_members': got {max_members}, allowed: null or an integer >= 1")
+    max_members = max_members_value(launcher.max_members)
     Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     saved_hydra = HydraConfig.instance().cfg
     try:
         jobs = [_Job(launcher, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
     finally:
         HydraConfig.instance().cfg = saved_hydra
-    groups = _groups(launcher, jobs, member_keys, None if max_members is None else int(max_members))
-    log.info("Launching %d jobs as %d population(s) (members differ in %s)", len(jobs), len(groups),
-             ", ".join(member_keys))
+    # With several JAX processes each takes its own lock index once JAX has started (`train_population`).
+    distributed = any(OmegaConf.select(job.task_cfg, "distributed.enabled", default=False) is True for job in jobs)
     results: dict[int, Any] = {}
-    for group in groups:
-        results |= _run_population(launcher, group)
-        configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
+    with contextlib.ExitStack() as locks:
+        if not distributed:
+            _lock_run_dirs(jobs, locks)
+        ready = _ready_jobs(launcher, jobs, results)
+        groups = _groups(ready, member_keys, max_members)
+        log.info("Launching %d jobs as %d population(s) (members differ in %s)", len(jobs), len(groups),
+                 ", ".join(member_keys))
+        for group in groups:
+            results |= _run_population(launcher, group, locked=not distributed)
+            configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     return [job.job_return(results.get(job.num)) for job in jobs]
 
 
-def _groups(launcher: Any, jobs: list[_Job], member_keys: list[str], max_members: int | None) -> list[list[_Job]]:
+def _lock_run_dirs(jobs: list[_Job], locks: contextlib.ExitStack) -> None:
+    """Every job's run-dir lock, held in `locks`. A lock another process holds: RunDirBusy for the whole launch,
+    before anything of any job is written. A run dir that cannot be created or locked fails that job alone
+    (`_Job.setup_error`)."""
+    from rnnlab.rundir import RunDirBusy, RunDirLock
+
+    for job in jobs:
+        try:
+            job.output_dir.mkdir(parents=True, exist_ok=True)
+            locks.enter_context(RunDirLock(job.output_dir))
+        except RunDirBusy as e:
+            held = str(e).split("; wait", 1)[0]
+            raise RunDirBusy(f"{held}; wait for that run or sweep to end, or choose another hydra.sweep.dir (nothing "
+                             f"was started or written)") from None
+        except OSError as e:
+            job.setup_error = (f"cannot write the run dir {job.output_dir} ({e.strerror or e})", EXIT_CANNOT_WRITE)
+
+
+def _ready_jobs(launcher: Any, jobs: list[_Job], results: dict[int, Any]) -> list[_Job]:
+    """The jobs to train. The others are reported here, each counted by Hydra's callbacks: a job whose run dir
+    cannot be written or whose config is refused fails (exit 74 or 2, in its results.json as far as its run dir
+    allows), before anything compiles; a job whose run completed with its config is done (its eval loss in
+    `results`), nothing of it written."""
+    from rnnlab.config import ConfigError, from_omegaconf
+    from rnnlab.rundir import final_record
+
+    ready = []
+    for job in jobs:
+        if job.setup_error is not None:
+            job.fail(*job.setup_error)
+            _callbacks(launcher, job, None)
+            continue
+        try:
+            job.rnnlab_config = from_omegaconf(job.task_cfg)
+        except ConfigError as e:
+            _write_hydra_files(job)
+            job.fail(str(e), EXIT_BAD_INPUT)
+            _callbacks(launcher, job, None)
+            continue
+        record = final_record(job.output_dir, job.rnnlab_config)
+        if record is not None:
+            results[job.num] = record.get("eval_loss")
+            _callbacks(launcher, job, results[job.num])
+            continue
+        error = _write_hydra_files(job)
+        if error is not None:
+            job.fail(f"cannot write the run dir {job.output_dir} ({error.strerror or error})", EXIT_CANNOT_WRITE)
+            _callbacks(launcher, job, None)
+            continue
+        ready.append(job)
+    return ready
+
+
+def _write_hydra_files(job: _Job) -> OSError | None:
+    try:
+        job.write_hydra_files()
+    except OSError as e:
+        return e
+    return None
+
+
+def _groups(jobs: list[_Job], member_keys: list[str], max_members: int | None) -> list[list[_Job]]:
     """The jobs whose configs are equal but for `member_keys`, in sweep order, at most `max_members` together.
     Jobs that all hold a checkpoint at the oldest of their newest steps train together from there (a rerun after
     a stop, even a SIGKILL between the members' saves: `train_population` takes the others back to it); else
     they split by their newest step (a grid grown by a seed, a member that diverged long ago), so that no job's
-    checkpoints are left for a fresh start. A job whose config is refused fails here (exit 2's line in its
-    results.json; Hydra's callbacks count it), before anything compiles."""
+    checkpoints are left for a fresh start."""
     from rnnlab.checkpoint import saved_steps
-    from rnnlab.config import ConfigError, from_omegaconf
     from rnnlab.population import population_key
 
     by_config: dict[Any, list[_Job]] = {}
     for job in jobs:
-        try:
-            job.rnnlab_config = from_omegaconf(job.task_cfg)
-        except ConfigError as e:
-            job.fail(str(e), EXIT_BAD_INPUT)
-            _callbacks(launcher, job, None)
-            continue
         by_config.setdefault(population_key(job.rnnlab_config, member_keys), []).append(job)
     size = max_members or max(len(jobs), 1)
     groups = []
@@ -170,8 +252,9 @@ def _member_handlers(jobs: list[_Job]) -> list[logging.Handler]:
     return handlers
 
 
-def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
-    """Train one population; returns each job's eval loss by job number (its failure, if any, on the job)."""
+def _run_population(launcher: Any, jobs: list[_Job], locked: bool = True) -> dict[int, Any]:
+    """Train one population; returns each job's eval loss by job number (its failure, if any, on the job: a member's
+    own fault fails that job alone). `locked`: `launch` holds the jobs' run-dir locks."""
     from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
     from rnnlab.config import ConfigError
     from rnnlab.population import Member, train_population
@@ -197,10 +280,10 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
     console = OmegaConf.select(jobs[0].config, "log.sweep_console", default=False) is True
     try:
         if console:
-            outcome = _train(train_population, members)
+            outcome = _train(train_population, members, locked)
         else:
             with job_output_to(sweep_dir / f"population_{jobs[0].num}.log"):
-                outcome = _train(train_population, members)
+                outcome = _train(train_population, members, locked)
     finally:
         for handler in handlers:
             root.removeHandler(handler)
@@ -231,8 +314,7 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
             elif error is not None:
                 job.fail(*reversed(code_and_line(error)))
             values[job.num] = results.get("eval_loss")
-    if preempted is not None:
-        logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", preempted)
+    if preempted is not None:  # train.py says how to resume the sweep (each member's train.log has the step)
         raise SystemExit(EXIT_PREEMPTED)
     _flush_loggers()
     for job in jobs:
@@ -240,10 +322,11 @@ def _run_population(launcher: Any, jobs: list[_Job]) -> dict[int, Any]:
     return values
 
 
-def _train(train_population: Any, members: list) -> list | BaseException:
-    """`train_population(members)`, or what it raised (a bug's traceback goes to every member's train.log)."""
+def _train(train_population: Any, members: list, locked: bool) -> list | BaseException:
+    """`train_population(members)`, or what it raised for them all (a bug's traceback goes to every member's
+    train.log; a member's own fault it reports as that member's)."""
     try:
-        return train_population(members)
+        return train_population(members, locked=locked)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - every member fails with it; the sweeper re-raises the first

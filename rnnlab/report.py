@@ -80,7 +80,14 @@ def window_means(rows: list[dict[str, float]], step: int, config: cfg.Config) ->
 
 def _format_metrics(task: tasks.Task, metrics: dict[str, float]) -> str:
     """The task's metrics for a console line, but one that equals the loss (the adding task's mse)."""
-    return "".join(f" | {name} {metrics[name]:.4g}" for name in task.metric_names if metrics[name] != metrics["loss"])
+    names = [*task.metric_names, *(k for k in eval_metric_names(task) if k not in task.metric_names and k in metrics)]
+    return "".join(f" | {name} {metrics[name]:.4g}" for name in names if metrics[name] != metrics["loss"])
+
+
+def eval_metric_names(task: tasks.Task) -> tuple[str, ...]:
+    """The metrics an eval reports: the task's (`metric_names`), and for data=text `bpc_reset` too
+    (`Task.eval_metric_names` where a task defines it)."""
+    return tuple(getattr(task, "eval_metric_names", task.metric_names))
 
 
 def _one_line(error: BaseException) -> str:
@@ -209,6 +216,7 @@ class Reporter:
         self._rows: list[dict[str, float]] = []  # per-step host metrics of the open log window
         self._last_train: dict[str, float] = {}
         self._last_eval: dict[str, float] = {}
+        self._final_eval: dict[str, dict[str, float]] = {}  # {"test": metrics} of the held-out test text, at the end
         self._last_eval_by_len: dict[int, dict[str, float]] = {}
         self._skipped_updates = 0
         self._compile_cache: str | None = None  # how the train step was compiled (`compiled`); None: not yet
@@ -291,7 +299,8 @@ class Reporter:
         task, lengths = self.setup.task, self.setup.config.data.eval_seq_lens
         metrics = by_len[task.seq_len]
         self._writer.write_scalars(step, {f"eval/{k}": v for k, v in metrics.items()}
-                                   | {"eval/baseline_loss": task.baseline_loss})
+                                   | {"eval/baseline_loss": task.baseline_loss}
+                                   | {f"eval/{k}": v for k, v in getattr(task, "baselines", {}).items()})
         self._last_eval = metrics
         log.info("eval step %d | loss %.4g%s | baseline loss %.4g", step, metrics["loss"],
                  _format_metrics(task, metrics), task.baseline_loss)
@@ -300,6 +309,20 @@ class Reporter:
             self._writer.write_scalars(step, {eval_tag(k, n): v for k, v in at_n.items()})
             log.info("eval step %d at length %d | loss %.4g%s | baseline loss %.4g", step, n, at_n["loss"],
                      _format_metrics(task, at_n), task.with_seq_len(n).baseline_loss)
+
+    def log_final_eval(self, step: int, by_split: dict[str, dict[str, float]]) -> None:
+        """The evaluations made once, at the last step (data=text: the test text, `StepFunctions.final_evaluators`):
+        TensorBoard `<split>/<metric>`, a console line, results.json `<split>_<metric>`."""
+        task = self.setup.task
+        for split, metrics in by_split.items():
+            self._writer.write_scalars(step, {f"{split}/{k}": v for k, v in metrics.items()})
+            log.info("%s step %d | loss %.4g%s | baseline loss %.4g", split, step, metrics["loss"],
+                     _format_metrics(task, metrics), task.baseline_loss)
+        self._final_eval = dict(by_split)
+
+    def log_text(self, step: int, texts: dict[str, str]) -> None:
+        """Text summaries (TensorBoard's text tab), e.g. `eval/samples`."""
+        self._writer.write_text(texts, step)
 
     def log_examples(self, step: int, inputs: np.ndarray, targets: np.ndarray, outputs: np.ndarray) -> None:
         """Eval examples with the model's outputs as a text summary (`Task.describe_examples`)."""
@@ -342,7 +365,7 @@ class Reporter:
             "eval_loss": finite_or_none(last_eval.get("loss")),
             "eval_metric": finite_or_none(last_eval.get(headline)) if headline else None,
             "eval_metric_name": headline,
-            "eval_metrics": {name: finite_or_none(last_eval.get(name)) for name in task.metric_names},
+            "eval_metrics": {name: finite_or_none(last_eval.get(name)) for name in eval_metric_names(task)},
             # {"<length>": {"loss": x, "<metric>": y, ...}} for each data.eval_seq_lens length (null: not evaluated)
             "eval_by_len": {str(n): {name: finite_or_none(self._last_eval_by_len.get(n, {}).get(name))
                                      for name in ("loss", *task.metric_names)}
@@ -361,6 +384,8 @@ class Reporter:
             "config": json.loads(json.dumps(cfg.flatten(setup.config))),
             "provenance": provenance(setup.devices, self._started_utc),
         }
+        for split, metrics in self._final_eval.items():  # data=text: test_loss, test_bpc, test_bpc_reset
+            results |= {f"{split}_{k}": finite_or_none(v) for k, v in metrics.items()}
         if self._start_step >= setup.config.steps and self._previous:
             # Nothing was trained here (a rerun that evaluates again): the training's own figures stay.
             results |= {k: self._previous.get(k) for k in TRAINING_FIELDS if k in self._previous}

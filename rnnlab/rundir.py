@@ -35,7 +35,7 @@ WIDTH_KEYS = ("task.input_dim", "task.output_dim")
 # `device.num_devices` is compared as the count actually used (DEVICES_USED_KEY), not as written.
 DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir trains with (null resolved)
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
-FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "data.eval_seq_lens", "data.eval_segment_len",
+FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "eval_max_minutes", "data.eval_seq_lens", "data.eval_segment_len",
              "device.num_devices", "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 # Keys added after run records existed, with the value a record written before them means: an older
@@ -45,7 +45,7 @@ ADDED_KEYS = {"model.pattern": []}
 
 # Keys that cannot change what a finished run's record says (`final_record`): how it logged, was traced,
 # saved, cached its programs and met other processes.
-RECORD_FREE_KEYS = ("device.compile_cache",)
+RECORD_FREE_KEYS = ("device.compile_cache", "eval_max_minutes")
 RECORD_FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.")
 
 
@@ -68,10 +68,10 @@ def final_record(workdir: Path, config: Config) -> dict[str, Any] | None:
     if config.checkpoint.enabled and max(saved_steps(Path(workdir) / "checkpoints"), default=None) != config.steps:
         return None  # its final checkpoint is gone: the run resumes from the newest one left
 
-    def outcome_keys(flat: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in flat.items() if k not in RECORD_FREE_KEYS and not k.startswith(RECORD_FREE_GROUPS)}
-
-    return record if outcome_keys(saved) == outcome_keys(recorded_config(config)) else None
+    now = recorded_config(config)
+    # Keys on one side only come from another rnnlab version (a key added since), not from the command line.
+    shared = [k for k in saved.keys() & now.keys() if k not in RECORD_FREE_KEYS and not k.startswith(RECORD_FREE_GROUPS)]
+    return record if all(saved[k] == now[k] for k in shared) else None
 
 
 def is_free(key: str) -> bool:
@@ -165,15 +165,20 @@ def _allow_name(key: str) -> str:
     return "device.num_devices" if key == DEVICES_USED_KEY else key
 
 
+class RunDirUnwritable(OSError):
+    """The run dir cannot be created or written (train.py: exit 74, as for a run dir that fails mid-run)."""
+
+
 def check_writable(workdir: Path) -> None:
-    """Create the run dir if it is missing; a ConfigError if a file cannot be written there."""
+    """Create the run dir if it is missing; RunDirUnwritable if a file cannot be written there."""
     try:
         workdir.mkdir(parents=True, exist_ok=True)
         probe = workdir / f".write_test.{os.getpid()}"  # per process: several may share the run dir
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"run dir {workdir} is not writable ({e.strerror or e}); choose hydra.run.dir") from None
+        raise RunDirUnwritable(f"key 'hydra.run.dir': {workdir} is not writable ({e.strerror or e}); choose "
+                               "another hydra.run.dir") from None
 
 
 class RunDirBusy(ConfigError):

@@ -21,8 +21,8 @@ from rnnlab import config as cfg
 from rnnlab import cpu, flops, memory, parallel, rundir, tasks
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.models import build_model, initial_state
-from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, create_train_state, default_steps_per_dispatch,
-                          make_dispatch, make_optimizer, run_once_options)
+from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, carries_state, create_train_state,
+                          default_steps_per_dispatch, make_dispatch, make_optimizer, run_once_options)
 
 # The run's lines come from one logger (as when trainer.py wrote them all): processes other than 0 quiet it.
 log = logging.getLogger("rnnlab.trainer")
@@ -82,7 +82,12 @@ class Setup:
     def init_state(self) -> Any:
         """The unreplicated initial train state."""
         return create_train_state(self.params_key, self.model, self.example_inputs(), self.tx,
-                                  run_once_options(self.devices[0].platform))
+                                  run_once_options(self.devices[0].platform), self.carry_batch)
+
+    @property
+    def carry_batch(self) -> int:
+        """The streams whose model state the train state carries (`steps.carries_state`: the global batch); 0: none."""
+        return self.config.batch_size if carries_state(self.task) else 0
 
 
 def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpointer) -> Setup:
@@ -95,6 +100,8 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
     _log_pinning(devices)
     parallel.check_batch_divides(config.batch_size, len(devices))
     task = tasks.make_task(config.data)
+    if carries_state(task):
+        _check_stream_task(config, task)
     saved = rundir.saved_run_config(checkpointer, config.checkpoint.resume)
     recorded = saved.get(rundir.DEVICES_USED_KEY) if saved is not None else None
     if saved is not None:  # the device count is compared once it is chosen (trainer's restore)
@@ -113,21 +120,51 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
     return dataclasses.replace(setup, devices=setup.devices[:count], device_note=note)
 
 
+def _check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
+    """data=text: refuse what its streams cannot do, then read the corpus and lay out its streams (a corpus that
+    cannot be had, or a training text too short for the batch: ConfigError, one line, exit 2)."""
+    from rnnlab import corpora  # noqa: PLC0415 - only data=text reads a corpus
+
+    if any(spec.cell == "attention" for spec in config.model.layer_cells()):
+        raise cfg.ConfigError(f"key 'model': data={task.name} carries each stream's state from step to step, and "
+                              f"attention's cache is not carried; allowed: a recurrent cell (not model=attention, nor "
+                              f"attention in model.pattern)")
+    if config.data.eval_seq_lens:
+        raise cfg.ConfigError(f"key 'data.eval_seq_lens': got {list(config.data.eval_seq_lens)}, allowed: [] for "
+                              f"data={task.name} (held-out text is evaluated through its streams: data.eval_streams)")
+    try:
+        task.splits
+        task.train_layout(config.batch_size)
+        task.eval_layout("valid")
+    except corpora.CorpusError as e:
+        raise cfg.ConfigError(str(e)) from None
+    except ValueError as e:
+        raise cfg.ConfigError(f"key 'batch_size': {e}") from None
+
+
 def _check_fits(setup: Setup) -> None:
-    """Before anything is allocated: the train state and the batches, as shapes (`memory.check_state_fits`)."""
+    """Before anything is allocated: the train state and the batches, as shapes (`memory.check_state_fits`), then
+    the further lengths evaluated whole (`memory.check_eval_batches_fit`) and the model's state at the longest
+    one run in segments (`memory.check_eval_state_fits`)."""
     config, task = setup.config, setup.task
-    state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx), task.input_spec(1))
+    state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx,
+                                                        carry_batch=setup.carry_batch), task.input_spec(1))
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
-    evaluated = [task] + [task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len]
+    evaluated = {task.seq_len: task} | {n: task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len}
     segment = config.data.eval_segment_len
-    whole = [t for t in evaluated if segment is None or t.total_len <= segment]  # the rest never exist whole
-    batches = [jax.eval_shape(lambda t=t: tasks.sample_batch(t, stream, 0, 0, config.batch_size)) for t in [task, *whole]]
+    whole = {n: t for n, t in evaluated.items() if segment is None or t.total_len <= segment}  # the rest never exist whole
+    shape = lambda t: jax.eval_shape(lambda: tasks.sample_batch(t, stream, 0, 0, config.batch_size))  # noqa: E731
+    batches = [shape(task)] + ([shape(task)] if task.seq_len in whole else [])
     kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
-    longest = max((t.total_len for t in evaluated if t not in whole), default=0)
+    longest = max((t.total_len for t in evaluated.values() if t not in whole.values()), default=0)
     if longest:  # the model's state at the longest length run in segments (attention's cache grows with it)
         memory.check_eval_state_fits(memory.tree_bytes(jax.eval_shape(
             lambda: initial_state(setup.model, setup.per_device, longest))), longest, setup.devices, config)
     memory.check_state_fits(state, batches, setup.devices, config, kept)
+    extra = {n: shape(t) for n, t in whole.items() if n != task.seq_len}
+    forward = max((memory.layer_outputs_bytes(config, setup.per_device, t.total_len) / config.num_layers
+                   for n, t in whole.items() if n != task.seq_len), default=0.0)
+    memory.check_eval_batches_fit(state, batches, extra, setup.devices, config, kept, forward, task.segmentable())
 
 
 def _log_pinning(devices: list) -> None:
@@ -157,7 +194,8 @@ def _seconds_per_step(setup: Setup, n: int) -> float:
     dp = parallel.DataParallel(devices, config.device.strategy)
     per_device = config.batch_size // n
     example = setup.task.example_inputs(per_device)
-    state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx))
+    state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx,
+                                            carry_batch=setup.carry_batch))
     dispatch = make_dispatch(config, setup.task, dp, per_device, k)
     memory.check_step_fits(dispatch.compile(state), devices, config)
     return cpu.seconds_per_step(dispatch, state, k, MAX_STEPS_IN_FLIGHT)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import flax.linen as nn
@@ -142,14 +144,35 @@ def run_once_options(platform: str) -> dict[str, Any] | None:
     return {"xla_backend_optimization_level": 1} if platform == "cpu" else None
 
 
+class CarryTrainState(train_state.TrainState):
+    """The train state of a task trained by truncated backpropagation through time (`carries_state`: data=text):
+    `carry`, the model's state (`initial_state`) of every stream of the global batch at the end of the last
+    step, which the next step starts from. It is replicated like the rest (each device updates its own rows,
+    then all gather them), so a checkpoint holds every stream's and a resume continues bit for bit."""
+
+    carry: Any = None
+
+
+def carries_state(task: tasks.Task) -> bool:
+    """Whether `task` trains by truncated BPTT over contiguous streams (`sample_step`; data=text): its train
+    state is a `CarryTrainState`."""
+    return callable(getattr(task, "sample_step", None))
+
+
 def create_train_state(
     key: jax.Array, model: nn.Module, example_inputs: jax.Array, tx: optax.GradientTransformation,
-    compiler_options: dict[str, Any] | None = None,
+    compiler_options: dict[str, Any] | None = None, carry_batch: int = 0,
 ) -> train_state.TrainState:
     """Unreplicated initial state. example_inputs: the model's input, f32[B, T, I] or token ids
     int32[B, T] (`Task.example_inputs`; only shapes matter). compiler_options: the initialisation's
-    (`run_once_options`); only where this call is not itself traced (JAX takes them at the top level only)."""
+    (`run_once_options`); only where this call is not itself traced (JAX takes them at the top level only).
+    carry_batch > 0: a `CarryTrainState` whose carry is the model's initial state of that many streams (the
+    global batch; `carries_state`)."""
     params = jax.jit(model.init, compiler_options=compiler_options)(key, example_inputs)["params"]
+    if carry_batch:
+        state = CarryTrainState.create(apply_fn=model.apply, params=params, tx=tx,
+                                       carry=initial_state(model, carry_batch))
+        return state.replace(step=jnp.zeros((), jnp.int32))
     state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     # A strongly typed step: a weakly typed Python 0 would make the second step recompile.
     return state.replace(step=jnp.zeros((), jnp.int32))
@@ -163,8 +186,14 @@ def train_step(
     skip_nonfinite: bool = False,
     seed: Any = 0,
     tx: optax.GradientTransformation | None = None,
+    carry: Any = None,
+    carry_axes: Any = None,
 ) -> tuple[train_state.TrainState, dict[str, jax.Array]]:
     """One optimizer update on this device's shard; gradients and metrics averaged over `AXIS`.
+
+    carry: this device's rows of the model's state to start from (truncated BPTT: `CarryTrainState`, resets
+    applied), `carry_axes` the batch axis of each of its leaves (`state_batch_axes`): the new state's carry is
+    the state the model ends with, gradients stopped, every device's rows gathered.
 
     skip_nonfinite: if the loss or gradient norm is NaN/Inf, keep the old parameters and
     optimizer state (the step counter still advances, so the data stream moves on) and
@@ -172,7 +201,12 @@ def train_step(
     `Hyperparameters` (`make_optimizer`) has the same state structure as `state.tx`.
     """
 
-    metrics, grads = loss_and_gradients(state, batch, task, seed)
+    old = state
+    if carry is None:
+        metrics, grads = loss_and_gradients(state, batch, task, seed)
+    else:
+        metrics, grads, after = carried_loss_and_gradients(state, batch, task, seed, carry)
+        state = state.replace(carry=gather_rows(after, carry_axes))
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step + 1)
     if tx is None:
@@ -183,7 +217,7 @@ def train_step(
                                   opt_state=opt_state)
     if skip_nonfinite:
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(metrics["grad_norm"])
-        keep_old = state.replace(step=new_state.step)
+        keep_old = old.replace(step=new_state.step)  # a carried state too: the one before the skipped step
         new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old), new_state, keep_old)
         metrics["skipped"] = 1.0 - finite.astype(jnp.float32)
     return new_state, metrics
@@ -203,6 +237,77 @@ def loss_and_gradients(state: train_state.TrainState, batch: tasks.Batch, task: 
 
     (loss, task_metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS), jax.lax.pmean(grads, parallel.AXIS)
+
+
+def carried_loss_and_gradients(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task, seed: Any,
+                               carry: Any) -> tuple[dict[str, jax.Array], Any, Any]:
+    """`loss_and_gradients` of the model run from `carry` (this device's rows of the model's state) -> (metrics,
+    gradients, the state after the batch's last step with its gradient stopped: truncated BPTT)."""
+    dropout_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), DROPOUT_STREAM), state.step)
+    dropout_key = jax.random.fold_in(dropout_key, jax.lax.axis_index(parallel.AXIS))
+
+    def loss_fn(params):
+        outputs, after = state.apply_fn({"params": params}, batch.inputs, train=True, rngs={"dropout": dropout_key},
+                                        state=carry)
+        loss, task_metrics = task.loss_and_metrics(outputs, batch.targets)
+        return loss, (task_metrics, after)
+
+    (loss, (task_metrics, after)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    metrics = jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
+    return metrics, jax.lax.pmean(grads, parallel.AXIS), jax.lax.stop_gradient(after)
+
+
+def state_batch_axes(model: nn.Module) -> Any:
+    """The batch axis of each leaf of `initial_state(model, ...)` (a tree of ints): where the shapes of the
+    states of one and of two examples differ."""
+    one, two = (jax.eval_shape(lambda b=b: initial_state(model, b)) for b in (1, 2))
+    return jax.tree_util.tree_map(lambda a, b: next(i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n),
+                                  one, two)
+
+
+def take_rows(tree: Any, axes: Any, first: jax.Array, rows: int) -> Any:
+    """Rows first .. first + rows - 1 of every leaf of `tree` along its batch axis (`axes`)."""
+    return jax.tree_util.tree_map(lambda x, axis: jax.lax.dynamic_slice_in_dim(x, first, rows, axis), tree, axes)
+
+
+def gather_rows(tree: Any, axes: Any) -> Any:
+    """Every device's rows of `tree` (along each leaf's batch axis), in device order: the global batch's."""
+    return jax.tree_util.tree_map(lambda x, axis: jax.lax.all_gather(x, parallel.AXIS, axis=axis, tiled=True),
+                                  tree, axes)
+
+
+def reset_rows(carry: Any, fresh: Any, axes: Any, reset: jax.Array) -> Any:
+    """`carry` with the rows flagged in `reset` (bool[R]) replaced by `fresh`'s (the initial state)."""
+
+    def one(c, f, axis):
+        shape = [1] * c.ndim
+        shape[axis] = reset.shape[0]
+        return jnp.where(reset.reshape(shape), f, c)
+
+    return jax.tree_util.tree_map(one, carry, fresh, axes)
+
+
+def stream_arrays(task: tasks.Task, split: str = "train") -> Any:
+    """A stream task's `split` as host arrays (`TextArrays` of NumPy), to be passed to the compiled programs as
+    an argument (not compiled in as a constant)."""
+    return jax.tree_util.tree_map(np.asarray, task.arrays(split))
+
+
+def _stream_batches(config: cfg.Config, task: tasks.Task, per_device: int, model: nn.Module) -> tuple[Callable, Any]:
+    """(`(state, arrays) -> (Batch, carry)`, the carry's batch axes): this device's rows of the step from
+    `state.step` (`task.sample_step`) and of the carried model state, the rows the step resets (`reset[:, 0]`)
+    set to the initial state. A reset is only ever at a step's first position (each document starts at a
+    window's first position)."""
+    axes = state_batch_axes(model)
+
+    def next_batch(state, arrays):
+        first = jax.lax.axis_index(parallel.AXIS) * per_device
+        window = task.sample_step(arrays, state.step, first, per_device, config.batch_size)
+        carry = take_rows(state.carry, axes, first, per_device)
+        carry = reset_rows(carry, initial_state(model, per_device), axes, window.reset[:, 0])
+        return tasks.Batch(window.inputs, window.targets), carry
+
+    return next_batch, axes
 
 
 def eval_step(state: train_state.TrainState, batch: tasks.Batch, task: tasks.Task, examples: int = 0) -> Any:
@@ -260,6 +365,65 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
 # What one segment of a long evaluation runs through the model at once, per device: the model's activations for it
 # are what the evaluation holds (Mamba at the zoo's H=64, 2 layers: 80 MB of XLA temporaries, against 640 MB at 131,072).
 EVAL_BLOCK_TOKENS = 16_384
+# A long evaluation runs from the host in chunks of segments (`SegmentedEval`), each one compiled call whose segment
+# count is an argument: a chunk grows (at most 4x a chunk) until it takes about CHUNK_SECONDS, so that a stop request
+# (SIGTERM, Ctrl-C), checked between chunks, is honoured within about that long.
+CHUNK_SECONDS = 1.0
+# Once a length's timed chunks have run this long, its time is predicted from their speed, checked against the
+# budget (`eval_max_minutes`) and, past NOTE_SECONDS, logged.
+MEASURE_SECONDS = 0.5
+NOTE_SECONDS = 10.0
+
+log = logging.getLogger("rnnlab.trainer")  # the run's lines (rnnlab.report)
+
+
+class EvalInterrupted(Exception):
+    """An evaluation stopped between its chunks or lengths because a stop was requested (SIGTERM, a first
+    Ctrl-C): nothing of it is reported."""
+
+
+class EvalTooLongError(cfg.ConfigError):
+    """An evaluated length whose time, predicted from its measured speed, is past the budget (`eval_max_minutes`)."""
+
+    def __init__(self, length: int, seconds: float, tokens_per_sec: float, budget: float):
+        self.length, self.seconds, self.tokens_per_sec, self.budget = length, seconds, tokens_per_sec, budget
+        super().__init__(
+            f"key 'data.eval_seq_lens': evaluating length {length} would take {prediction(seconds, tokens_per_sec)}, "
+            f"more than eval_max_minutes={budget / 60:g}; allowed: shorter lengths, fewer eval_batches, or a larger "
+            f"eval_max_minutes (null: no limit)")
+
+
+def prediction(seconds: float, tokens_per_sec: float) -> str:
+    """`about 12 min (measured 110,000 tokens/s)`."""
+    return f"about {duration(seconds)} (measured {tokens_per_sec:,.0f} tokens/s)"
+
+
+def duration(seconds: float) -> str:
+    """`12 s`, `3.5 min`, `20.1 h`."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.3g} min" if seconds < 3600 else f"{seconds / 3600:.3g} h"
+
+
+def agree_to_stop(stop: bool) -> bool:
+    """Whether any process asks to stop: with several processes all must leave an evaluation at the same point
+    (a tiny all-gather); one process: `stop`."""
+    if jax.process_count() == 1:
+        return stop
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.process_allgather(np.int32(stop)).any())
+
+
+def agree_on_chunk(stop: bool, count: int, measured: float, per_segment: float) -> tuple[bool, int, float, float]:
+    """A chunk every process runs alike: (any stops, the smallest count, the least measured time, the slowest
+    seconds per segment), in one all-gather; one process: as given."""
+    if jax.process_count() == 1:
+        return stop, count, measured, per_segment
+    from jax.experimental import multihost_utils
+
+    rows = multihost_utils.process_allgather(np.array([stop, count, measured, per_segment], np.float64))
+    return bool(rows[:, 0].any()), int(rows[:, 1].min()), float(rows[:, 2].min()), float(rows[:, 3].max())
 
 
 def eval_block_len(segment_len: int, per_device: int) -> int:
@@ -274,42 +438,182 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
     keys as `make_evaluator`'s, is evaluated in segments of `segment_len` steps, one after another, the
     model's state and the task's carry (`Task.sample_segment`) going from each to the next and the
     scores summed (`Task.segment_totals`): nothing of the whole length is ever in memory. Its batches are
-    the (batch index, seed) pairs; each segment is drawn on the device. seeds: a population's, as `make_evaluator`."""
+    the (batch index, seed) pairs; each segment is drawn on the device. The segments run from the host in
+    chunks (`SegmentedEval`: its `run` checks for a stop between them and predicts the length's time).
+    seeds: a population's, as `make_evaluator`."""
     model = build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
     length = task.total_len
     segment_len = eval_block_len(segment_len, per_device)
     whole, rest = divmod(length, segment_len)
+    draw = jax.vmap(task.sample_segment, in_axes=(0, 0, None, None))
 
-    def evaluate(state, index, seed):
+    def example_keys(index, seed):
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         step_key = jax.random.fold_in(tasks.stream_key(seed, tasks.EVAL_STREAM), index)  # as `tasks.sample_batch`
-        keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(first + jnp.arange(per_device))
-        draw = jax.vmap(task.sample_segment, in_axes=(0, 0, None, None))
+        return jax.vmap(lambda i: jax.random.fold_in(step_key, i))(first + jnp.arange(per_device))
 
-        def segment(carry, start, size):
-            model_state, data, totals = carry
-            inputs, targets, data = draw(keys, data, start, size)
-            outputs, model_state = state.apply_fn({"params": state.params}, inputs, state=model_state)
-            totals = jax.tree_util.tree_map(jnp.add, totals, task.segment_totals(outputs, targets))
-            return model_state, data, totals
+    def segment(state, keys, carry, start, size):
+        model_state, data, totals = carry
+        inputs, targets, data = draw(keys, data, start, size)
+        outputs, model_state = state.apply_fn({"params": state.params}, inputs, state=model_state)
+        totals = jax.tree_util.tree_map(jnp.add, totals, task.segment_totals(outputs, targets))
+        return model_state, data, totals
 
-        data = jax.vmap(lambda _: task.initial_carry())(keys)
+    def init(index, seed):
+        data = jax.vmap(lambda _: task.initial_carry())(example_keys(index, seed))
         totals = jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(
             lambda: task.segment_totals(jnp.zeros((per_device, 1, task.output_dim)), jnp.zeros((per_device, 1), jnp.int32))))
-        carry = (initial_state(model, per_device, length), data, totals)
-        carry, _ = jax.lax.scan(lambda c, s: (segment(c, s * segment_len, segment_len), None), carry, jnp.arange(whole))
+        return initial_state(model, per_device, length), data, totals
+
+    def chunk(state, carry, index, seed, first, count):  # segments first .. first + count - 1
+        keys = example_keys(index, seed)
+        return jax.lax.fori_loop(0, count, lambda i, c: segment(state, keys, c, (first + i) * segment_len, segment_len),
+                                 carry)
+
+    def final(state, carry, index, seed):  # the last, shorter segment, then the scores
         if rest:
-            carry = segment(carry, whole * segment_len, rest)
+            carry = segment(state, example_keys(index, seed), carry, whole * segment_len, rest)
         loss, task_metrics = task.metrics_from_totals(carry[2])
         return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
 
-    if seeds is not None:
-        member_evaluate = jax.vmap(evaluate, in_axes=(0, None, 0))
-        evaluate = lambda state, index, seed: member_evaluate(state.members, index, seed)  # noqa: E731
-    step = dp.map(lambda state, batch: evaluate(state, *batch), (parallel.REPLICATED, parallel.REPLICATED),
-                  parallel.REPLICATED)
+    if seeds is not None:  # every member on its own seed's batches; the carry gains a leading member axis
+        member_init = jax.vmap(init, in_axes=(None, 0))
+        member_chunk = jax.vmap(chunk, in_axes=(0, 0, None, 0, None, None))
+        member_final = jax.vmap(final, in_axes=(0, 0, None, 0))
+        init = member_init
+        chunk = lambda state, *args: member_chunk(state.members, *args)  # noqa: E731
+        final = lambda state, *args: member_final(state.members, *args)  # noqa: E731
+
+    # The carry stays on the devices between calls, each device's own (its leaves gain a leading axis of 1,
+    # so that even a scalar one has an axis to shard).
+    out = lambda tree: jax.tree_util.tree_map(lambda x: x[None], tree)  # noqa: E731
+    into = lambda tree: jax.tree_util.tree_map(lambda x: x[0], tree)  # noqa: E731
+    R, S = parallel.REPLICATED, parallel.SHARDED
+    segments = SegmentedEval(
+        dp=dp, length=length, whole=whole, tokens_per_segment=segment_len * per_device * len(dp.devices),
+        budget=None if config.eval_max_minutes is None else 60.0 * config.eval_max_minutes,
+        init=dp.map(lambda index, seed: out(init(index, seed)), (R, R), S),
+        chunk=dp.map(lambda state, carry, *args: out(chunk(state, into(carry), *args)), (R, S, R, R, R, R), S,
+                     donate_argnums=(1,)),
+        final=dp.map(lambda state, carry, *args: final(state, into(carry), *args), (R, S, R, R), R))
     seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
-    return Evaluator(step, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)])
+    return Evaluator(segments, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)], segments=segments)
+
+
+def make_stream_evaluator(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
+                          split: str = "valid") -> Evaluator:
+    """The `Evaluator` of a stream task (`carries_state`: data=text) on its held-out `split`: the text's
+    `data.eval_streams` streams (`task.eval_layout`), spread over the devices, run segment by segment from a
+    fresh state, with the state carried from segment to segment (`loss`, `bpc`) and, in the same pass, from a
+    fresh state at every segment (`loss_reset`, `bpc_reset`: the state never older than `seq_len` bytes);
+    the scores summed over the whole text (`segment_totals`, over the devices too) and then averaged
+    (`metrics_from_totals`). The segments run from the host in chunks (`SegmentedEval`: a stop request is
+    honoured between chunks); its one "batch" is (0, the split's arrays)."""
+    model = _model(config, task, dp)
+    layout = task.eval_layout(split)
+    devices = len(dp.devices)
+    rows = -(-task.eval_streams // devices)  # rows past the last stream score nothing
+    seq_len = task.seq_len
+    axes = state_batch_axes(model)
+    zeros = lambda: jax.tree_util.tree_map(jnp.zeros_like, jax.eval_shape(  # noqa: E731
+        lambda: task.segment_totals(jnp.zeros((rows, 1, task.output_dim)), jnp.zeros((rows, 1), jnp.int32))))
+
+    def init(index, arrays):
+        return initial_state(model, rows), zeros(), zeros()
+
+    def segment(state, arrays, carry, k):
+        model_state, carried, fresh = carry
+        window = task.eval_window(arrays, k, jax.lax.axis_index(parallel.AXIS) * rows, rows, True)
+        start = initial_state(model, rows)
+        model_state = reset_rows(model_state, start, axes, window.reset[:, 0])
+        outputs, model_state = state.apply_fn({"params": state.params}, window.inputs, state=model_state)
+        reset_outputs, _ = state.apply_fn({"params": state.params}, window.inputs, state=start)
+        def add(totals, out):
+            return jax.tree_util.tree_map(jnp.add, totals, task.segment_totals(out, window.targets))
+
+        return model_state, add(carried, outputs), add(fresh, reset_outputs)
+
+    def chunk(state, carry, index, arrays, first, count):  # segments first .. first + count - 1
+        return jax.lax.fori_loop(0, count, lambda i, c: segment(state, arrays, c, first + i), carry)
+
+    def final(state, carry, index, arrays):
+        carried, fresh = jax.lax.psum((carry[1], carry[2]), parallel.AXIS)  # sums over the devices' streams
+        loss, metrics = task.metrics_from_totals(carried)
+        loss_reset, metrics_reset = task.metrics_from_totals(fresh)
+        reset = {"loss_reset": loss_reset, **{f"{k}_reset": v for k, v in metrics_reset.items()}}
+        return {"loss": loss, **metrics, **reset}
+
+    out = lambda tree: jax.tree_util.tree_map(lambda x: x[None], tree)  # noqa: E731
+    into = lambda tree: jax.tree_util.tree_map(lambda x: x[0], tree)  # noqa: E731
+    R, S = parallel.REPLICATED, parallel.SHARDED
+    segments = SegmentedEval(
+        dp=dp, length=layout.num_segments * seq_len, whole=layout.num_segments,
+        tokens_per_segment=seq_len * rows * devices, budget=None,
+        init=dp.map(lambda index, arrays: out(init(index, arrays)), (R, R), S),
+        chunk=dp.map(lambda state, carry, *args: out(chunk(state, into(carry), *args)), (R, S, R, R, R, R), S,
+                     donate_argnums=(1,)),
+        final=dp.map(lambda state, carry, *args: final(state, into(carry), *args), (R, S, R, R), R))
+    return Evaluator(segments, [(dp.host_scalar(0), dp.replicate(stream_arrays(task, split)))], segments=segments)
+
+
+class SegmentedEval:
+    """The segments of one length's evaluation (`make_segment_evaluator`), driven from the host: per batch,
+    `init` makes the carry (model state, task carry, summed scores), `chunk` runs `count` segments of it
+    from segment `first` (one compiled program whatever the count: a loop whose trip count is an argument),
+    `final` the last, shorter segment and the metrics. Calling it evaluates one batch (`Evaluator.step`);
+    `run` evaluates them all, checking for a stop between chunks."""
+
+    def __init__(self, dp: parallel.DataParallel, length: int, whole: int, tokens_per_segment: int,
+                 budget: float | None, init: Callable, chunk: Callable, final: Callable):
+        self.dp, self.length, self.whole, self.tokens_per_segment, self.budget = dp, length, whole, tokens_per_segment, budget
+        self._init, self._chunk, self._final = init, chunk, final
+        self._count = 1  # the next chunk's segments (kept from one evaluation to the next)
+        self._compiled = False  # the chunk's first call compiles: it is not timed
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        """One batch's replicated metrics."""
+        return self.run(state, [batch])[0]
+
+    def run(self, state: Any, batches: Sequence[Any], should_stop: Callable[[], bool] | None = None) -> list:
+        """Every batch's replicated metrics, in order. Between chunks: `should_stop()` true raises EvalInterrupted;
+        once the timed chunks have run MEASURE_SECONDS, the time of all `batches` is predicted from their speed,
+        logged if long, and past `budget` (seconds; None: no limit) refused (EvalTooLongError)."""
+        timed, per_segment, predicted, rows = 0.0, 0.0, False, []  # the timed chunks' seconds; the last one's speed
+        for index, seed in batches:
+            carry = self._init(index, seed)
+            done = 0
+            while done < self.whole:
+                stop, count, measured, slowest = agree_on_chunk(
+                    bool(should_stop and should_stop()), min(self._count, self.whole - done), timed, per_segment)
+                if stop:
+                    raise EvalInterrupted
+                if not predicted and slowest > 0 and measured >= MEASURE_SECONDS:
+                    predicted = True
+                    self._predict(slowest, len(batches))
+                started = time.perf_counter()
+                carry = jax.block_until_ready(self._chunk(state, carry, index, seed, self.dp.host_scalar(done),
+                                                          self.dp.host_scalar(count)))
+                seconds = time.perf_counter() - started
+                done += count
+                if not self._compiled:  # the first call compiled
+                    self._compiled = True
+                    continue
+                timed, per_segment = timed + seconds, seconds / count
+                self._count = max(1, min(4 * count, int(CHUNK_SECONDS * count / max(seconds, 1e-9))))
+            if agree_to_stop(bool(should_stop and should_stop())):
+                raise EvalInterrupted
+            rows.append(self._final(state, carry, index, seed))
+        return rows
+
+    def _predict(self, per_segment: float, batches: int) -> None:
+        """From the measured seconds per segment: log the time of a long evaluation of `batches` batches; refuse one
+        past the budget (every process alike: the slowest one's measure decides)."""
+        seconds = per_segment * self.whole * batches
+        tokens_per_sec = self.tokens_per_segment / max(per_segment, 1e-12)
+        if seconds >= NOTE_SECONDS:
+            log.info("eval at length %d: %s", self.length, prediction(seconds, tokens_per_sec))
+        if self.budget is not None and seconds > self.budget:
+            raise EvalTooLongError(self.length, seconds, tokens_per_sec, self.budget)
 
 
 def train_metric_names(task: tasks.Task, skip_nonfinite: bool) -> tuple[str, ...]:
@@ -322,6 +626,11 @@ def default_steps_per_dispatch(platform: str) -> int:
     allocates XLA's temporary buffer afresh; 1 on GPU/TPU, where the device runs ahead of
     the host anyway (docs/design.md)."""
     return 8 if platform == "cpu" else 1
+
+
+def _model(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel) -> nn.Module:
+    """The run's model (as `rnnlab.setup.plan` builds it), for its `initial_state` inside the compiled steps."""
+    return build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
 
 
 def _train_batches(config: cfg.Config, task: tasks.Task, per_device: int) -> Callable:
@@ -346,6 +655,17 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
+    if carries_state(task) and seeds is None:  # the text streams: the batch and the carried state from the step
+        stream_batch, _ = _stream_batches(config, task, per_device, _model(config, task, dp))
+
+        def gradients(state, inputs):
+            seed, arrays = inputs
+            batch, carry = stream_batch(state, arrays)
+            return carried_loss_and_gradients(state, batch, task, seed, carry)[1]
+
+        mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
+        inputs = dp.replicate((np.uint32(config.seed), stream_arrays(task)))
+        return lambda state: mapped(state, inputs)
     if seeds is not None:
         member_gradients = jax.vmap(gradients)
         gradients = lambda state, seed: member_gradients(state.members, seed)  # noqa: E731
@@ -385,6 +705,20 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
         tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
         state, metrics = train_step(state, next_batch(state, values.seed), task, schedule, skip, values.seed, tx)
         return state, jnp.stack([metrics[k] for k in names])
+
+    if carries_state(task):  # truncated BPTT over the text's streams: the text an input beside the numbers
+        if members is not None:
+            raise cfg.ConfigError(f"data={task.name} trains one run at a time: hydra/launcher=population cannot "
+                                  f"carry its streams' state; allowed: hydra/launcher=basic or parallel")
+        stream_batch, axes = _stream_batches(config, task, per_device, _model(config, task, dp))
+        hyper = dp.replicate((hyperparameters(config), stream_arrays(task)))
+
+        def one_step(state, inputs):
+            values, arrays = inputs
+            tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
+            batch, carry = stream_batch(state, arrays)
+            state, metrics = train_step(state, batch, task, schedule, skip, values.seed, tx, carry, axes)
+            return state, jnp.stack([metrics[k] for k in names])
 
     row_shape: tuple[int, ...] = (len(names),)
     if members is not None:
@@ -470,6 +804,7 @@ class Evaluator(NamedTuple):
     step: Callable  # p_eval_step(state, batch) -> replicated metrics (and with examples > 0, sharded outputs)
     batches: list
     examples: int = 0  # outputs of each shard's first examples that the step also returns
+    segments: SegmentedEval | None = None  # a length run in segments: `step` is it, `segments.run` all its batches
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds functions
@@ -485,6 +820,20 @@ class StepFunctions:
     evaluators: dict[int, Evaluator]  # by eval length: data.seq_len's (the usual eval) first, then data.eval_seq_lens'
     gradient_probe: Callable | None  # make_gradient_probe's, with log.histograms_every > 0
     members: int = 0  # a population's member count (its state a `PopulationState`); 0: one run
+    # Evaluated once, at the last step, by name (data=text: {"test": the test text's `make_stream_evaluator`})
+    final_evaluators: dict[str, Evaluator] = dataclasses.field(default_factory=dict)
+    samples: Callable | None = None  # data=text: state -> a few sampled texts as Markdown (`make_text_samples`)
+
+    def evaluate_final(self, state: Any, should_stop: Callable[[], bool] | None = None) -> dict[str, dict[str, float]]:
+        """{name: mean metrics} of `final_evaluators` (each run in segments); EvalInterrupted as `evaluate`."""
+        asked = should_stop or (lambda: False)
+        out = {}
+        for name, evaluator in self.final_evaluators.items():
+            if agree_to_stop(asked()):
+                raise EvalInterrupted
+            rows = self.dp.to_host(evaluator.segments.run(state, evaluator.batches, asked))
+            out[name] = mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
+        return out
 
     def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list:
         """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order (a population: a
@@ -498,19 +847,27 @@ class StepFunctions:
                                 for (n, _), rows in zip(dispatches, host)])
         return [[dict(zip(names, map(float, row), strict=True)) for row in steps[:, i]] for i in range(self.members)]
 
-    def evaluate(self, state: Any) -> tuple[Any, Any]:
-        """(mean eval metrics at every evaluated length (keys as `evaluators`), the eval examples): all
-        dispatched, then one host read. The examples are (inputs, targets, outputs) of the first examples
-        of the usual eval's first batch (the first device's), for tasks whose targets are a symbol per
-        step ([B, T]) where its evaluator returns outputs; else None. A population: a list of both, per member."""
-        dispatched = [[evaluator.step(state, batch) for batch in evaluator.batches]
-                      for evaluator in self.evaluators.values()]
-        usual = next(iter(self.evaluators.values()))
-        shown = None
-        if usual.examples:
-            shown = (usual.batches[0], dispatched[0][0][1])
-            dispatched[0] = [metrics for metrics, _ in dispatched[0]]
-        metrics, shown = self.dp.to_host((dispatched, shown))
+    def evaluate(self, state: Any, should_stop: Callable[[], bool] | None = None) -> tuple[Any, Any]:
+        """(mean eval metrics at every evaluated length (keys as `evaluators`), the eval examples), one length after
+        another: a length evaluated whole is dispatched at once, then read; one in segments runs chunk by chunk
+        (`SegmentedEval.run`, which may refuse it: EvalTooLongError). `should_stop()` is asked before each length
+        and between chunks: true raises EvalInterrupted. The examples are (inputs, targets, outputs) of the
+        first examples of the usual eval's first batch (the first device's), for tasks whose targets are a symbol
+        per step ([B, T]) where its evaluator returns outputs; else None. A population: a list of both, per member."""
+        asked = should_stop or (lambda: False)
+        metrics, shown = [], None
+        for i, evaluator in enumerate(self.evaluators.values()):
+            if agree_to_stop(asked()):
+                raise EvalInterrupted
+            if evaluator.segments is not None:
+                metrics.append(self.dp.to_host(evaluator.segments.run(state, evaluator.batches, asked)))
+                continue
+            rows = [evaluator.step(state, batch) for batch in evaluator.batches]
+            if i == 0 and evaluator.examples:  # the usual eval's examples
+                shown = (evaluator.batches[0], rows[0][1])
+                rows = [m for m, _ in rows]
+            rows, shown = self.dp.to_host((rows, shown)) if i == 0 else (self.dp.to_host(rows), shown)
+            metrics.append(rows)
         if not self.members:
             return self._by_length(metrics), self._examples(shown)
         member = lambda tree, i, axis=0: jax.tree_util.tree_map(lambda x: np.take(x, i, axis), tree)  # noqa: E731
@@ -555,11 +912,45 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
             return make_segment_evaluator(config, t, per_device, dp, segment, seeds)
         return make_evaluator(config, t, per_device, dp, examples, seeds)
 
-    evaluators = {task.seq_len: evaluator(task, examples)}
-    evaluators |= {n: evaluator(task.with_seq_len(n)) for n in config.data.eval_seq_lens if n != task.seq_len}
+    if carries_state(task) and members is None:  # held-out text through its streams (a population: refused above)
+        evaluators = {task.seq_len: make_stream_evaluator(config, task, dp, "valid")}
+    else:
+        evaluators = {task.seq_len: evaluator(task, examples)}
+        evaluators |= {n: evaluator(task.with_seq_len(n)) for n in config.data.eval_seq_lens if n != task.seq_len}
     return StepFunctions(
         dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
         gradient_probe=make_gradient_probe(config, task, per_device, dp, seeds) if config.log.histograms_every else None,
         members=0 if members is None else len(members.lr),
+        final_evaluators={"test": make_stream_evaluator(config, task, dp, "test")}
+        if carries_state(task) and members is None and task.splits["test"].names else {},
+        samples=make_text_samples(config, task, dp) if carries_state(task) and members is None else None,
     )
+
+
+# What each eval of data=text samples for TensorBoard's text tab (`eval/samples`): a few bytes, cheap beside the eval.
+SAMPLES, SAMPLE_BYTES, SAMPLE_PROMPT_BYTES, SAMPLE_TEMPERATURE = 2, 200, 48, 0.8
+
+
+def make_text_samples(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel) -> Callable:
+    """`samples(state) -> Markdown`: SAMPLES continuations by SAMPLE_BYTES bytes (temperature SAMPLE_TEMPERATURE,
+    seed 0) of the validation text's first SAMPLE_PROMPT_BYTES bytes, by the state's parameters; on the first
+    device, one compiled prefill and one compiled sampling loop."""
+    from rnnlab import decode, textdata  # noqa: PLC0415
+
+    model = _model(config, task, dp)
+    prompt = task.splits["valid"].text[:SAMPLE_PROMPT_BYTES].astype(np.int32)
+    prompt_ids = jnp.asarray(np.broadcast_to(prompt, (SAMPLES, len(prompt))))
+    first_key, rest_key = jax.random.split(jax.random.key(0))
+
+    def samples(state):
+        params = dp.to_host(state.params)
+        logits, carry = decode.prefill(model, params, prompt_ids, initial_state(model, SAMPLES))
+        first = decode.choose(logits[:, -1], first_key, SAMPLE_TEMPERATURE)
+        tokens, _ = decode.sample(model, params, carry, first, SAMPLE_BYTES, rest_key, SAMPLE_TEMPERATURE)
+        shown = textdata.decode(prompt)
+        return "\n\n".join(f"**{i + 1}.** (the prompt, then ⟩ and what was drawn)\n\n```\n{shown}⟩"
+                            f"{textdata.decode(row).replace('```', chr(39) * 3)}\n```"
+                            for i, row in enumerate(np.asarray(tokens)))
+
+    return samples

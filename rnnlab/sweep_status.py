@@ -6,7 +6,7 @@
 runs the job callbacks in the sweep's process, the joblib one in its worker processes, so the counts
 live on disk, in `<sweep dir>/.sweep_status/` (the plan at the start, a marker per started and per
 finished job). `job_output_to(train.log)` (train.py, around each sweep job) sends the job's stdout,
-stderr and console log lines to its train.log, unless `log.sweep_console=true`. scripts/zoo_queue.py
+stderr and console log lines to its train.log, unless `log.sweep_console=true`. `python -m rnnlab.zoo run`
 prints the same line (`status_line`, `seconds_left`).
 """
 
@@ -185,15 +185,80 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+EXIT_BAD_INPUT, EXIT_CANNOT_WRITE = 2, 74  # train.py's codes: a sweep dir in use, one that cannot be written
+SWEEP_LOCK = ".sweep.lock"  # in the sweep dir: held by the process that runs the sweep, for its life
+
+
+class SweepRefused(SystemExit):
+    """A sweep that must not start: its sweep dir is another live sweep's, or cannot be written. A SystemExit with
+    the exit code, so that it passes Hydra's callback wrapper (which turns an Exception into a warning) and stops
+    the sweep before anything is written; train.py prints `message` as its one line."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(code)
+        self.message = message
+
+
+_held: dict[str, int] = {}  # sweep dir -> the fd of its lock, held by this process
+
+
+def hold_sweep_lock(sweep_dir: Path) -> None:
+    """An exclusive `flock` on `<sweep dir>/.sweep.lock` for this process (again: nothing; `release_sweep_lock` ends
+    it, or the process's end, SIGKILL included). SweepRefused (exit 2) while another live process holds it."""
+    import errno
+    import fcntl
+    import socket
+
+    path = Path(sweep_dir) / SWEEP_LOCK
+    if str(path) in _held:
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
+        raise SweepRefused(f"sweep dir {Path(sweep_dir)} is in use by {who} (lock {SWEEP_LOCK}); wait for that sweep "
+                           f"to end, or choose another hydra.sweep.dir (nothing was started or written)",
+                           EXIT_BAD_INPUT) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    _held[str(path)] = fd
+
+
+def release_sweep_lock(sweep_dir: Path) -> None:
+    fd = _held.pop(str(Path(sweep_dir) / SWEEP_LOCK), None)
+    if fd is not None:
+        os.close(fd)
+
+
 class SweepStatus(Callback):
-    """Hydra callback: `[done/total] R running, L left, F failed, about T left` on stdout per finished job."""
+    """Hydra callback: `[done/total] R running, L left, F failed, about T left` on stdout per finished job.
+
+    It also guards the sweep dir, before anything of the sweep is written (Hydra calls it first): a sweep dir held
+    by another live sweep (`hold_sweep_lock`; not with distributed.enabled, whose processes each run the sweep)
+    or one that cannot be written stops the sweep with `SweepRefused` (exit 2 or 74)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        folder = Path(str(config.hydra.sweep.dir)) / STATUS_DIR
-        shutil.rmtree(folder, ignore_errors=True)  # a rerun's (resume's) counts start over
-        folder.mkdir(parents=True, exist_ok=True)
-        plan = {"total": planned_jobs(config), "workers": parallel_jobs(config), "started": time.time()}
-        (folder / "sweep.json").write_text(json.dumps(plan))
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        folder = sweep_dir / STATUS_DIR
+        try:
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            if OmegaConf.select(config, "distributed.enabled", default=False) is not True:
+                hold_sweep_lock(sweep_dir)
+            shutil.rmtree(folder, ignore_errors=True)  # a rerun's (resume's) counts start over
+            folder.mkdir(parents=True, exist_ok=True)
+            plan = {"total": planned_jobs(config), "workers": parallel_jobs(config), "started": time.time()}
+            (folder / "sweep.json").write_text(json.dumps(plan))
+        except OSError as e:
+            raise SweepRefused(f"cannot write the sweep dir {sweep_dir} ({e.strerror or e}); choose another "
+                               f"hydra.sweep.dir", EXIT_CANNOT_WRITE) from None
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        release_sweep_lock(Path(str(config.hydra.sweep.dir)))
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         folder = self._folder(config)

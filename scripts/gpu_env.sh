@@ -1,4 +1,4 @@
-# Sourced by the GPU rounds (scripts/gpu_round.sh, scripts/gpu_zoo_hybrid.sh): $OUT, Hydra's and tensorboardX's
+# Sourced by the GPU rounds (scripts/gpu_round.sh, scripts/gpu_zoo.sh, ...): $OUT, Hydra's and tensorboardX's
 # wheels from .whl/ where the GPU's Python lacks them (pip download / pip wheel them here first), unbuffered output,
 # JAX allocating on demand (several processes share the GPU), $small (SMALL=1: tiny sizes), `log`, and the versions.
 set -u

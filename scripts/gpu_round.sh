@@ -1,10 +1,10 @@
 #!/bin/bash
-# One prepared GPU round: the Elman row, the forms' speed, S3 and A5 at a longer schedule, the forms' equality tests
-# under the GPU's matmul precision (docs/benchmarks.md has what it gave on an H100). On a GPU machine whose Python has
-# jax, flax, optax and orbax but not Hydra: put the wheels of hydra-core, omegaconf, antlr4-python3-runtime and
-# tensorboardX in .whl/ (pip download / pip wheel), and the script installs them first. Results go to $OUT.
-#   bash scripts/gpu_round.sh             # about 9 minutes on one H100
-#   SMALL=1 bash scripts/gpu_round.sh     # tiny sizes: checks the script itself on a CPU in about 6 minutes
+# One prepared GPU round: the Elman row, the forms' speed, the forms' equality tests under the GPU's matmul precision
+# (docs/benchmarks.md has what it gave on an H100; the zoo on a GPU: scripts/gpu_zoo.sh). On a GPU machine whose
+# Python has jax, flax, optax and orbax but not Hydra: put the wheels of hydra-core, omegaconf, antlr4-python3-runtime
+# and tensorboardX in .whl/ (pip download / pip wheel), and the script installs them first. Results go to $OUT.
+#   bash scripts/gpu_round.sh             # at most 7 minutes (its timeouts) on one GPU
+#   SMALL=1 bash scripts/gpu_round.sh     # tiny sizes: checks the script itself on a CPU in a few minutes
 source "$(dirname "$0")/gpu_env.sh"
 
 log "1. Elman H=100 row"
@@ -23,28 +23,7 @@ timeout 60 python3 scripts/bench_scans.py --cells attention --seq-lens $A --repe
 timeout 45 python3 scripts/bench_scans.py --cells attention --seq-lens $A --repeats 3 --scans blockwise \
   --set model.window=256 --json "$OUT/attn_window.json" 2>&1 | tail -3
 
-log "3. S3 and A5 at a larger budget (seed 0, jobs side by side on the one GPU)"
-st_steps=8000; st_time=230; [ "$small" = 1 ] && st_steps=30 && st_time=120
-job() {  # name, then overrides
-  local name=$1; shift
-  timeout -s TERM $st_time python3 train.py experiment=zoo_state_tracking hydra.mode=RUN seed=0 steps=$st_steps \
-    eval_every=1000 log_every=500 checkpoint.enabled=false device.steps_per_dispatch=8 \
-    hydra.run.dir=/tmp/st/$name "$@" >/tmp/st_$name.log 2>&1 &
-}
-mkdir -p /tmp/st
-for lr in 1e-3 3e-3; do
-  job s3_dp2_neg_$lr state_tracking=s3 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=true optimizer.lr=$lr
-  job s3_dp3_neg_$lr state_tracking=s3 model=deltaproduct model.num_householder=3 model.allow_neg_eigval=true optimizer.lr=$lr
-  job s3_dp2_pos_$lr state_tracking=s3 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=false optimizer.lr=$lr
-  job s3_gdn_neg_$lr state_tracking=s3 model=gated_deltanet model.allow_neg_eigval=true optimizer.lr=$lr
-  job a5_dp2_neg_$lr state_tracking=a5 model=deltaproduct model.num_householder=2 model.allow_neg_eigval=true optimizer.lr=$lr
-  job a5_dp3_neg_$lr state_tracking=a5 model=deltaproduct model.num_householder=3 model.allow_neg_eigval=true optimizer.lr=$lr
-done
-wait
-for f in /tmp/st_*.log; do cp "$f" /tmp/st/; echo "$f:"; grep "eval step" "$f" | tail -4 | cut -c1-160; done
-tar czf "$OUT/state_tracking.tgz" -C /tmp/st --exclude=checkpoints .
-
-log "4. the forms' equality tests on the GPU (its default float32 matmul precision)"
+log "3. the forms' equality tests on the GPU (its default float32 matmul precision)"
 timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/test_mlstm.py tests/test_rwkv7.py tests/test_matrix_forms.py \
   2>&1 | tail -15 | tee "$OUT/pytest.log"
 log done

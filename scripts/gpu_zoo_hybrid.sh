@@ -1,10 +1,9 @@
 #!/bin/bash
-# One prepared GPU round for the hybrid stacks and RWKV-7 (issues 51, 52): the Elman row, cuDNN's flash attention
-# against XLA's in bf16 (jax.nn.dot_product_attention alone), RWKV-7's two forms, then the hybrid zoo under the
-# protocol (scripts/zoo_queue.py: each stack's lr grid on seed 0, then seeds 1 and 2 at the chosen lr, jobs side by
-# side on the one GPU) on MQAR at 16 pairs and on selective copying, stopped cleanly at a deadline.
+# One prepared GPU round for the hybrid stacks' mixers (issues 51, 52): the Elman row, cuDNN's flash attention
+# against XLA's in bf16 (jax.nn.dot_product_attention alone), RWKV-7's two forms. Its part 4, the hybrid zoo's
+# settings, is now the zoo's: `bash scripts/gpu_zoo.sh second` (or one table: `bash scripts/gpu_zoo.sh hybrid_mqar16`).
 # Wheels for a GPU Python without Hydra: as scripts/gpu_round.sh (.whl/). Results go to $OUT.
-#   bash scripts/gpu_zoo_hybrid.sh                 # about 9 minutes on one H100
+#   bash scripts/gpu_zoo_hybrid.sh                 # at most 5 minutes (its timeouts) on one GPU
 #   SMALL=1 bash scripts/gpu_zoo_hybrid.sh         # tiny sizes: checks the script on a CPU in a few minutes
 source "$(dirname "$0")/gpu_env.sh"
 
@@ -58,16 +57,4 @@ timeout 40 python3 scripts/bench_scans.py --cells rwkv7 --scans chunked --seq-le
   --json "$OUT/rwkv7_chunk64_compile.json" 2>&1 | tail -1
 [ "${PIPESTATUS[0]}" = 124 ] && echo "chunk 64: not compiled within 40 s"
 
-log "4. the hybrid zoo under the protocol: MQAR at 16 pairs, then selective copying"
-used=$(( $(date +%s) - t0 )); budget=${BUDGET:-530}
-deadline=$(( budget - used - 25 )); [ "$small" = 1 ] && deadline=300
-stacks="gated_deltanet gdn3_attention1 gdn1_attention1 attention1_gdn3 gdn3_window1 attention window"
-settings=()
-for s in $stacks; do settings+=(--setting "experiment=zoo_hybrid hybrid=$s data.num_pairs=16"); done
-for s in $stacks; do settings+=(--setting "experiment=zoo_hybrid_selective_copy hybrid=$s"); done
-extra=(); [ "$small" = 1 ] && extra=(steps=20 eval_every=10 log_every=10 hidden_dim=16)
-[ "$small" = 1 ] && settings=(--setting "experiment=zoo_hybrid hybrid=gdn3_window1 data.num_pairs=4" --setting "experiment=zoo_hybrid_selective_copy hybrid=attention")
-python3 scripts/zoo_queue.py --out /tmp/zq --parallel ${PARALLEL:-8} --deadline $deadline --grace 15 "${settings[@]}" \
-  -- checkpoint.enabled=false device.steps_per_dispatch=8 "${extra[@]}" 2>&1 | grep -E "setting|deadline|done|failed|diverged" 
-tar czf "$OUT/zoo_hybrid.tgz" -C /tmp/zq --exclude=checkpoints .
 log done

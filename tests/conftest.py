@@ -38,6 +38,12 @@ else:
 # rnnlab's caches (measured peak FLOP/s, measured CPU device counts) in a fresh dir for the
 # session, shared with the subprocesses: tests neither read nor write the user's ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
+# No test fetches a corpus (data=text): the tests read tests/data/text_fixture (data.corpus=file), and a corpus
+# not prepared is refused at once (rnnlab.corpora.OFFLINE_ENV).
+os.environ["RNNLAB_OFFLINE"] = "1"
+# data=text on the fixture corpus, tiny (tests/test_text_training.py, tests/test_token_inputs.py)
+TEXT_FIXTURE_DATA = ["data=text", "data.corpus=file", f"data.corpus_dir={ROOT / 'tests' / 'data' / 'text_fixture'}",
+                     "data.valid_docs=[the_ferryman]", "data.test_docs=[a_winter_road]"]
 
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
@@ -54,8 +60,24 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="run the full suite: the fast tier and the tests marked slow")
 
 
+FULL_TIER = ROOT / "tests" / "full_tier.txt"  # fast-tier tests moved to the full tier by their measured time
+
+
+def full_tier_ids() -> set[str]:
+    return {line.split("#")[0].strip() for line in FULL_TIER.read_text().splitlines()} - {""}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Without --full or a -m expression of one's own, the slow tests are deselected (not skipped)."""
+    """The tests of tests/full_tier.txt are marked slow; without --full or a -m expression of one's own, the slow
+    tests are deselected (not skipped)."""
+    moved = full_tier_ids()
+    for item in items:
+        if item.nodeid in moved:
+            item.add_marker(pytest.mark.slow)
+    if not config.args and len(items) > 1000:  # the whole suite: every line of full_tier.txt names one of its tests
+        stale = moved - {item.nodeid for item in items}
+        if stale:
+            raise pytest.UsageError(f"{FULL_TIER.name} names tests that do not exist: {', '.join(sorted(stale))}")
     if config.getoption("--full") or config.getoption("markexpr"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]

@@ -1,14 +1,16 @@
-"""The persistent compilation cache: the jobs of an lr-and-seed grid compile the train step once, and a cache
-that a process died reading is moved aside before the next run compiles through it."""
+"""The persistent compilation cache: the jobs of an lr-and-seed grid compile the train step once, a cache
+that a process died reading is moved aside before the next run compiles through it, and an entry that cannot be
+read is moved aside and written afresh."""
 
 import json
 import socket
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train, train_env
 from rnnlab import compile_cache
 
 
@@ -87,3 +89,43 @@ def test_a_run_moves_a_crashed_cache_aside_and_completes(tmp_path):
     assert len(aside) == 1 and (aside[0] / "bad-cache").exists()
     assert f"moved it to {aside[0]}" in proc.stderr + proc.stdout
     assert _results(tmp_path / "run")["status"] == "completed" and not any(markers.iterdir())
+
+
+UNREADABLE_ENTRIES = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import jax, jax.numpy as jnp
+    from rnnlab import compile_cache
+
+    use = compile_cache.enable(True)
+
+    def compile_once():  # (hits, requests) of one compilation through the persistent cache
+        jax.clear_caches()
+        hits, requests = use.hits, use.requests
+        jax.jit(lambda x: jnp.sin(x) @ x.T + 1)(jnp.ones((8, 8))).block_until_ready()
+        return use.hits - hits, use.requests - requests
+
+    first = compile_once()
+    entries = sorted(Path(sys.argv[1]).glob("*-cache"))
+    for entry in entries:  # truncated, as a full disk or a killed writer leaves them
+        entry.write_bytes(entry.read_bytes()[:len(entry.read_bytes()) // 2])
+    print(json.dumps({"first": first, "truncated": compile_once(), "then": compile_once(), "entries": len(entries)}))
+""")
+
+
+def test_an_entry_that_cannot_be_read_is_moved_aside_and_written_afresh(tmp_path):
+    """Issue 72: JAX warns about an unreadable entry and compiles, but never writes it again (it keeps the file), so
+    every later run missed; now the entry is moved aside (`<entry>.unreadable`), and the next compilation hits."""
+    cache = tmp_path / "cache"
+    env = {**train_env(), "JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0", compile_cache.OFF_ENV: "1"}
+    proc = subprocess.run([sys.executable, "-c", UNREADABLE_ENTRIES, str(cache)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    n = counts["entries"]
+    assert n >= 1 and counts["first"] == [0, n]
+    assert counts["truncated"] == [0, n] and counts["then"] == [n, n]  # compiled afresh once, then hits
+    assert len(list(cache.glob("*-cache.unreadable"))) == n and len(list(cache.glob("*-cache"))) == n
+    assert "Error reading persistent compilation cache entry" not in proc.stderr
+    assert proc.stderr.count("cannot be read") == n

@@ -39,7 +39,7 @@ def test_help_lists_each_exit_code_of_train_py(help_text):
     defined = {int(v) for v in re.findall(r"^EXIT_\w+ = (\d+)", (ROOT / "train.py").read_text(), re.M)}
     listed = {int(m) for m in re.findall(r"^  (\d+) +\S", "\n".join(section(help_text, "Exit codes")), re.M)}
     assert listed == defined | {0}
-    for code, meaning in [(0, "done"), (1, "a bug"), (2, "bad input"), (3, "diverged"), (74, "could not be written"),
+    for code, meaning in [(0, "done"), (1, "a bug"), (2, "bad input"), (3, "diverged"), (74, "cannot be written"),
                           (75, "preempted"), (130, "aborted")]:
         assert re.search(rf"^  {code} +.*{meaning}", help_text, re.M), code
 

@@ -129,6 +129,8 @@ def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, cap
     train_population(population)
     finished = [saved_state(m.workdir, 8) for m in population]
     shutil.rmtree(population[0].workdir / "checkpoints" / "8")
+    for m in population:  # killed before the end: no final record (a finished member is left as it is)
+        (m.workdir / "results.json").unlink()
     with caplog.at_level("INFO"):
         outcome = train_population(population)
     assert [(r["status"], r["step"]) for r, _ in outcome] == [("completed", 8), ("completed", 8)]
@@ -146,7 +148,8 @@ def test_a_member_that_would_start_afresh_beside_trained_ones_is_refused_and_not
     pair = members(tmp_path, GRID[:2])
     train_population(pair)
     saved = sorted(p.name for p in (pair[0].workdir / "checkpoints").iterdir())
-    grown = members(tmp_path, GRID)  # the same two and a new one, which has no checkpoint
+    # The same two, to train on (their records are not final: another step count), and a new one without checkpoints.
+    grown = members(tmp_path, GRID, "steps=12", "checkpoint.allow_changes=[steps]")
     with pytest.raises(CheckpointError, match="would start afresh"):
         train_population(grown)
     assert sorted(p.name for p in (pair[0].workdir / "checkpoints").iterdir()) == saved
@@ -220,14 +223,17 @@ def test_a_grown_grid_trains_the_new_member_apart_and_keeps_the_finished_ones(tm
     common = ["-m", *[o for o in SWEEP if not o.startswith(("seed=", "optimizer.lr="))], "steps=12", "eval_every=6",
               "checkpoint.every=6", "hydra/launcher=population", f"hydra.sweep.dir={tmp_path / 's'}"]
     assert run_train([*common, "seed=0,1"], cwd=tmp_path).returncode == 0
-    before = {p.name: json.loads((p / "results.json").read_text()) for p in run_dirs(tmp_path / "s")}
+    files = lambda run: {str(f.relative_to(run)): (f.read_bytes(), f.stat().st_mtime_ns)  # noqa: E731
+                         for f in run.rglob("*") if f.is_file() and ".rnnlab.lock" not in f.name}
+    before = {p.name: files(p) for p in run_dirs(tmp_path / "s")}
     proc = run_train([*common, "seed=0,1,2"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     after = {p.name: json.loads((p / "results.json").read_text()) for p in run_dirs(tmp_path / "s")}
     assert len(after) == 3 and all(r["status"] == "completed" for r in after.values())
-    for name, results in before.items():  # the finished members: restored at their end, evaluated, unchanged
-        assert after[name]["eval_loss"] == results["eval_loss"]
-    assert len(list((tmp_path / "s").glob("population_*.log"))) >= 2
+    for name, written in before.items():  # the finished members' records are final: nothing retrained or rewritten
+        assert files(tmp_path / "s" / name) == written
+    assert "[3/3] 0 running, 0 left, 0 failed" in proc.stdout  # and counted as done
+    assert len(list((tmp_path / "s").glob("population_*.log"))) == 2
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import fast_first, tiny_config
+from conftest import TEXT_FIXTURE_DATA, fast_first, tiny_config
 from rnnlab import memory, models, parallel, tasks, trainer
 from rnnlab.models import build_model
 from rnnlab.steps import create_train_state, make_dispatch, make_optimizer, train_step
@@ -23,6 +23,7 @@ TOKEN_TASKS = {  # data overrides: tiny, with padded (variable-length) examples 
     "parity": ["data=parity", "data.seq_len=6", "data.min_seq_len=1"],
     "word_problem": ["data=word_problem", "data.seq_len=6", "data.group=s3", "data.min_seq_len=1"],
     "modular_arithmetic": ["data=modular_arithmetic", "data.seq_len=7", "data.min_seq_len=1"],
+    "text": [*TEXT_FIXTURE_DATA, "data.seq_len=6"],
 }
 # (model overrides, the first layer's fold forced for both encodings: True, False, or None for the rule)
 MODELS = {

@@ -1,13 +1,20 @@
-"""The zoo presets: every job of each sweep composes and validates, and the sweep covers every cell."""
+"""The zoo presets: every job of each sweep composes and validates, and the sweep covers every cell; the presets
+sweep lrs and seeds; and each cell's state-size fact (`Cell.state_floats`, logged as state_floats) is the size of the
+carry its time scan keeps. (The protocol itself, `rnnlab.zoo`, has its own tests.)"""
 
 import os
 from pathlib import Path
 
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import yaml
 
 from conftest import CONF_DIR, compose_config
-from rnnlab.cells import CELLS, SequenceCell
+from rnnlab.cells import CELLS, SequenceCell, get_cell
+from rnnlab.models import RecurrentLayer
 
 ZOOS = ["zoo_parity", "zoo_selective_copy", "zoo_mqar"]
 PACKAGE_CELLS = sorted(name for name, cls in CELLS.items() if cls.__module__.startswith("rnnlab."))
@@ -140,3 +147,83 @@ def test_the_hybrid_zoo_sweeps_every_stack_of_conf_hybrid_and_each_composes_as_n
         windows = {dict(spec.options).get("window", 0) for spec in m.layer_cells() if spec.cell == "attention"}
         assert (m.cell, m.pattern, max(windows, default=0)) == (cell, pattern, window), stack
         assert (m.block, m.mlp, config.num_layers, config.data.eval_seq_lens) == ("residual", "none", 4, (64, 128, 256))
+
+
+def test_the_zoo_presets_sweep_lrs_and_seeds():
+    for zoo in ("zoo_parity", "zoo_selective_copy", "zoo_mqar", "zoo_state_tracking"):
+        params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
+        lrs = [float(v) for v in str(params["optimizer.lr"]).split(",")]
+        assert len(lrs) == 4 and lrs == sorted(lrs)
+        ratios = np.diff(np.log(lrs))
+        np.testing.assert_allclose(ratios, ratios[0], rtol=0.15)  # log-spaced (rounded: 3e-4, 1e-3, ...)
+        assert params["seed"] == "range(0,${zoo.seeds})"
+    assert compose_config([]).zoo.seeds == 1
+
+
+def test_zoo_seeds_must_be_positive():
+    from rnnlab.config import ConfigError
+
+    with pytest.raises(ConfigError, match="zoo.seeds"):
+        compose_config(["zoo.seeds=0"])
+
+
+def time_scan_carry_floats(cell: str, hidden_dim: int, fields: dict, batch: int, steps: int) -> int:
+    """Floats per example in the carry of the layer's time scan (its sequential form): the scan of
+    length `steps` (or, for a form that checkpoints blocks, the innermost scan) in the traced layer."""
+    layer = RecurrentLayer(hidden_dim=hidden_dim, cell=cell, cell_options=tuple(fields.items()),
+                           init_scheme="default", time_scan="sequential")
+    x = jnp.zeros((steps, batch, hidden_dim))  # a stacked layer sees the width (the LRU adds its input)
+    params = jax.eval_shape(layer.init, jax.random.key(0), x)
+    jaxpr = jax.make_jaxpr(lambda p, x: layer.apply(p, x))(params, x).jaxpr
+    scans = []
+
+    def visit(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "scan":
+                scans.append(eqn)
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                visit(sub)
+
+    visit(jaxpr)
+    scans = [e for e in scans if e.params["length"] == steps] or scans[-1:]
+    (scan,) = scans[:1]
+    start = scan.params["num_consts"]
+    carry = scan.invars[start:start + scan.params["num_carry"]]
+    batched = [v.aval for v in carry if v.aval.shape[:1] == (batch,) and jnp.issubdtype(v.aval.dtype, jnp.inexact)]
+    return sum(int(np.prod(a.shape)) * (2 if jnp.iscomplexobj(a) else 1) for a in batched) // batch  # complex: 2
+
+
+SEQUENTIAL_CELLS = sorted(n for n, c in CELLS.items() if c.__module__.startswith("rnnlab.") and "sequential" in c.time_scans)
+
+
+@pytest.mark.parametrize("cell", SEQUENTIAL_CELLS)
+def test_state_floats_is_the_carry_of_the_time_scan(cell):
+    """Every cell with a sequential form (attention's KV cache: test_attention_mamba)."""
+    fields = {"num_heads": 2} if "num_heads" in get_cell(cell).__dataclass_fields__ else {}
+    steps = 5
+    if "chunk_size" in get_cell(cell).__dataclass_fields__:
+        fields["chunk_size"] = steps
+    expected = get_cell(cell)(8, **fields).state_floats(steps)
+    assert time_scan_carry_floats(cell, 8, fields, batch=3, steps=steps) == expected
+
+
+@pytest.mark.parametrize("zoo", ["zoo_parity", "zoo_selective_copy", "zoo_mqar", "zoo_parity_paper",
+                                 "zoo_selective_copy_paper", "zoo_mqar_paper"])
+def test_every_swept_value_of_a_zoo_composes(zoo):
+    """Each value of the sweep's task and width keys (pairs, hidden sizes) is a valid config, with the
+    slowest-to-check cell (attention: heads must divide the width) and a vector-state one."""
+    params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
+    for key, values in params.items():
+        if key in ("model", "seed"):
+            continue
+        for value in str(values).split(","):
+            for cell in ("attention", "gru"):
+                config = compose_config([f"experiment={zoo}", f"model={cell}", f"{key}={value}"])
+                assert str(config_value(config, key)) == str(float(value) if key == "optimizer.lr" else int(value))
+
+
+def config_value(config, key: str):
+    """config's value at a dotted key, a task's own keys (data.num_pairs) from data.options."""
+    group, name = key.split(".", 1) if "." in key else (None, key)
+    node = getattr(config, group) if group else config
+    return getattr(node, name) if hasattr(node, name) else dict(node.options)[name]

@@ -8,7 +8,7 @@ import importlib
 import pkgutil
 
 from rnnlab.tasks.options import (  # noqa: F401  (the public names)
-    OPTIONAL_DATA_KEYS, check_data, option_fields,
+    MAX_EVAL_SEQ_LEN, OPTIONAL_DATA_KEYS, check_data, option_fields,
 )
 from rnnlab.tasks.registry import (  # noqa: F401  (the public names)
     EVAL_STREAM, IGNORE, TASKS, TRAIN_STREAM, Batch, OptionError, Task, get_task, make_task, masked_cross_entropy,

@@ -15,6 +15,9 @@ from typing import Any, Mapping
 
 from rnnlab.tasks.registry import OptionError, Task, make_task
 
+# The longest length `data.eval_seq_lens` takes: even in segments (`data.eval_segment_len`) 10^8 steps are hours on
+# a CPU (a small LSTM: about 70 s per 10^6 steps of a batch of 64), and positions stay far inside int32.
+MAX_EVAL_SEQ_LEN = 10**8
 # DataConfig's own keys that a data file may leave out, so that an extension's needs only `task` and `seq_len`.
 OPTIONAL_DATA_KEYS: Mapping[str, Any] = {"min_seq_len": None, "eval_seq_lens": (), "eval_segment_len": None}
 
@@ -46,6 +49,10 @@ def check_data(data: Any) -> None:
     if any(n < shortest for n in lengths) or len(set(lengths)) < len(lengths):
         raise OptionError(f"key 'data.eval_seq_lens': got {lengths}, allowed: a list of distinct lengths, "
                           f"each >= {shortest} (the {data.task} task's minimum)")
+    if any(n > MAX_EVAL_SEQ_LEN for n in lengths):
+        raise OptionError(f"key 'data.eval_seq_lens': got {max(lengths)}, allowed: lengths up to {MAX_EVAL_SEQ_LEN:,} "
+                          f"(10^8 steps take hours even in segments; eval_max_minutes refuses a shorter one by its "
+                          f"measured time)")
     segment = data.eval_segment_len
     if segment is not None and (isinstance(segment, bool) or not isinstance(segment, int) or segment < 1):
         raise OptionError(f"key 'data.eval_segment_len': got {segment!r}, allowed: null or a length >= 1")

@@ -179,8 +179,9 @@ def make_plan(ledger: Ledger, tables: Sequence[Table], running: Sequence[str] = 
 
 
 def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], float | None]:
-    """A job's predicted wall time on this machine: the median of its cell's records in its table (this device
-    kind, any commit), else of the table's, else of any table's scaled by steps; None with no record at all."""
+    """A job's predicted wall time on this machine from the records of this device kind (any commit); None with no
+    record at all. A cell with no record yet is predicted from the cells that have one (an underestimate while
+    only the fast ones have run: `plan --probe` times one job per table)."""
     by_cell: dict[tuple[str, str], list[float]] = {}
     per_step: list[float] = []
     for table in tables:
@@ -190,12 +191,20 @@ def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], floa
                 by_cell.setdefault((table.key, record["setting"].split()[0]), []).append(seconds)
                 per_step.append(seconds / table.steps)
 
+    steps = {t.key: t.steps for t in tables}
+
     def predict(job: Job) -> float | None:
+        """The cell's median in this table; else its median per step in the others, times this table's steps;
+        else the table's median; else the median per step of every record."""
         cell = by_cell.get((job.table.key, job.setting.cell))
+        if cell:
+            return statistics.median(cell)
+        elsewhere = [s / steps[t] for (t, c), v in by_cell.items() if c == job.setting.cell for s in v]
+        if elsewhere:
+            return statistics.median(elsewhere) * job.table.steps
         table = [s for (t, _), v in by_cell.items() if t == job.table.key for s in v]
-        for values in (cell, table):
-            if values:
-                return statistics.median(values)
+        if table:
+            return statistics.median(table)
         return statistics.median(per_step) * job.table.steps if per_step else None
 
     return predict
@@ -258,7 +267,9 @@ class Executor:
         cmd, log_path = self.command(unit)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         unit.log = open(log_path, "a")
-        env = dict(os.environ, PYTHONPATH=str(self.code), HYDRA_FULL_ERROR="1")
+        # The worktree's rnnlab first; the caller's own path after it (a new cell's module, `imports=[...]`).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(self.code), os.environ.get("PYTHONPATH"))
+                                                         if p), HYDRA_FULL_ERROR="1")
         if self.pin:
             env["RNNLAB_PIN_CPU"] = "1"
         unit.proc = subprocess.Popen(cmd, cwd=self.code, stdout=unit.log, stderr=subprocess.STDOUT, env=env,
@@ -318,8 +329,8 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
         total_now = total - sum(t.seeds - 1 for t, _ in plan.no_lr)
         left = len(plan.todo_now) + plan.later
         seconds = seconds_left(finished_here, left, [time.time() - u.started for u in running], parallel)
-        say(status_line(len(plan.done), total_now, sum(len(u.jobs) for u in running), failed + incomplete, seconds,
-                        time.time() - start))
+        say(status_line(len(plan.done), total_now, sum(len(u.jobs) for u in running), failed, seconds,
+                        time.time() - start) + (f" ({incomplete} stopped, to resume)" if incomplete else ""))
 
     def finish(unit: Unit) -> None:
         nonlocal failed, incomplete
