@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -84,12 +85,18 @@ def test_the_wheel_carries_every_subpackage(tmp_path):
                     str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, timeout=600)
     wheel, = (tmp_path / "dist").glob("rnnlab-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
+    # The dependencies from this interpreter's site-packages, after the venv's own, as a plain path (its .pth files,
+    # this checkout's editable install among them, are not processed): rnnlab comes from the wheel alone.
+    venv_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    Path(venv_site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--force-reinstall", str(wheel)], check=True,
                    capture_output=True, timeout=600)
-    probe = ("import rnnlab, rnnlab.cells, rnnlab.tasks, rnnlab.zoo.protocol, pathlib; print(rnnlab.__file__); "
-             "print(pathlib.Path(rnnlab.__file__).parent / 'hydra_plugin_path/hydra_plugins/rnnlab_population_launcher.py')")
+    probe = ("import rnnlab.cells, rnnlab.tasks, rnnlab.zoo.protocol, pathlib; print(rnnlab.zoo.protocol.__file__); "
+             "print(pathlib.Path(rnnlab.cells.__file__).parents[1] / "
+             "'hydra_plugin_path/hydra_plugins/rnnlab_population_launcher.py')")
     done = subprocess.run([str(python), "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr
