@@ -109,6 +109,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_says_so(tmp_path, reference):
     for f in newest.rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
+    (run_dir / "results.json").unlink()  # as a run killed after its last save leaves it (a completed record is final)
     output = rerun(run_dir)
     assert f"checkpoint {newest} cannot be restored" in output
     assert f"fell back from {newest} to step 55" in output
@@ -119,6 +120,7 @@ def test_corrupt_newest_checkpoint_falls_back_and_says_so(tmp_path, reference):
 def test_every_checkpoint_unreadable_is_a_clear_error(tmp_path):
     run_dir = tmp_path / "run"
     rerun(run_dir, "steps=10")
+    (run_dir / "results.json").unlink()  # as a run killed after its last save leaves it (a completed record is final)
     for f in (run_dir / "checkpoints").rglob("*"):
         if f.is_file() and f.name != "run_config.json":
             f.write_bytes(b"garbage")
