@@ -125,10 +125,11 @@ def _check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
     cannot be had, or a training text too short for the batch: ConfigError, one line, exit 2)."""
     from rnnlab import corpora  # noqa: PLC0415 - only data=text reads a corpus
 
-    if any(spec.cell == "attention" for spec in config.model.layer_cells()):
-        raise cfg.ConfigError(f"key 'model': data={task.name} carries each stream's state from step to step, and "
-                              f"attention's cache is not carried; allowed: a recurrent cell (not model=attention, nor "
-                              f"attention in model.pattern)")
+    if any(getattr(spec.make(config.model.hidden_dim), "window", None) == 0 for spec in config.model.layer_cells()):
+        raise cfg.ConfigError(f"key 'model.window': 0 (full causal attention), but data={task.name} carries each "
+                              f"stream's state from step to step, and a full cache would grow without end; allowed: a "
+                              f"window >= 1 (model.window, or model.pattern_keys.attention.window in a hybrid), the "
+                              f"ring buffer of the last window steps carried as the recurrences' state is")
     if config.data.eval_seq_lens:
         raise cfg.ConfigError(f"key 'data.eval_seq_lens': got {list(config.data.eval_seq_lens)}, allowed: [] for "
                               f"data={task.name} (held-out text is evaluated through its streams: data.eval_streams)")

@@ -195,7 +195,7 @@ def test_fuzz_config_fast(overrides):
 
 
 @pytest.mark.slow
-@settings(max_examples=500, **SETTINGS)
+@settings(max_examples=150, **SETTINGS)
 @given(override_lists())
 def test_fuzz_config_full(overrides):
     check(overrides)

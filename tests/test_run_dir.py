@@ -172,6 +172,9 @@ def test_a_lost_or_damaged_run_config_is_rewritten_from_the_checkpoint(tmp_path,
     assert refused.returncode == 2 and "key 'model.hidden_dim': this run dir was trained with 8, now 16" in refused.stderr
     changed = train(run_dir, "device.num_devices=1")
     assert changed.returncode == 2 and "device.num_devices 2 -> 1" in one_error_line(changed)
+    proc = train(run_dir, "device.num_devices=2")  # a completed record is final: reported, nothing written
+    assert proc.returncode == 0 and "already completed" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    (run_dir / "results.json").unlink()  # not completed: the run resumes from its checkpoint and repairs its record
     proc = train(run_dir, "device.num_devices=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(path.read_text()) == original

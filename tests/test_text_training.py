@@ -26,8 +26,12 @@ from rnnlab.steps import (CarryTrainState, create_train_state, make_dispatch, ma
 BATCH, SEQ_LEN = 4, 16  # stream 3 reaches a document start at step 4
 
 
-def text_config(*overrides, lr=None):
-    config = tiny_config(*TEXT_FIXTURE_DATA, "model=lstm", "num_layers=2", "hidden_dim=8", f"batch_size={BATCH}",
+# Windowed attention carries its ring buffer of the last `window` steps' keys and values as the recurrences carry theirs.
+CARRIED_MODELS = [("model=lstm",), ("model=attention", "model.window=6", "model.block_size=4")]
+
+
+def text_config(*overrides, lr=None, model=CARRIED_MODELS[0]):
+    config = tiny_config(*TEXT_FIXTURE_DATA, *model, "num_layers=2", "hidden_dim=8", f"batch_size={BATCH}",
                          f"data.seq_len={SEQ_LEN}", "data.eval_streams=3", *overrides)
     if lr is not None:  # lr=0: the parameters never move, so each step can be compared with one forward
         config = dataclasses.replace(config, optimizer=dataclasses.replace(config.optimizer, lr=lr))
@@ -83,8 +87,9 @@ def assert_tree_close(a, b, rtol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol)
 
 
-def test_the_train_state_carries_the_state_of_the_text_read_so_far_reset_at_each_document():
-    config = text_config(lr=0.0)
+@pytest.mark.parametrize("model", CARRIED_MODELS, ids=lambda m: m[0])
+def test_the_train_state_carries_the_state_of_the_text_read_so_far_reset_at_each_document(model):
+    config = text_config(lr=0.0, model=model)
     steps = 6
     state, rows = train(config, steps)
     assert isinstance(state, CarryTrainState)
@@ -105,8 +110,10 @@ def test_with_carry_state_false_every_step_starts_from_the_initial_state():
     assert abs(carried_losses[-1] - losses[-1]) > 1e-6  # the carried state does change the loss
 
 
-def test_two_steps_with_the_carry_are_one_forward_over_both_windows_with_the_gradient_stopped_between():
-    config = text_config(lr=0.0)
+@pytest.mark.parametrize("model", [CARRIED_MODELS[0], pytest.param(CARRIED_MODELS[1], marks=pytest.mark.slow)],
+                         ids=lambda m: m[0])
+def test_two_steps_with_the_carry_are_one_forward_over_both_windows_with_the_gradient_stopped_between(model):
+    config = text_config(lr=0.0, model=model)
     task, model, state = setup(config)
     arrays = task.arrays()
     w0, w1 = (task.sample_step(arrays, jnp.int32(k), 0, BATCH, BATCH) for k in (0, 1))
@@ -198,7 +205,7 @@ def test_the_held_out_evaluation_stops_between_its_chunks_when_asked():
 
 
 @pytest.mark.parametrize("override, key", [("data.eval_seq_lens=[16]", "key 'data.eval_seq_lens'"),
-                                           ("model=attention", "key 'model'")])
+                                           ("model=attention", "key 'model.window'")])
 def test_what_the_streams_cannot_do_is_refused_in_one_line(override, key, tmp_path):
     result = run_train([*TEXT_FIXTURE_DATA, override, "steps=2", "batch_size=2", f"hydra.run.dir={tmp_path}"],
                        cwd=ROOT)
