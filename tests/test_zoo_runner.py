@@ -159,6 +159,8 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
 def test_the_cli_refuses_bad_input_in_one_line(capsys):
     assert cli.main(["run", "core", "--", "steps=10"]) == 2
     assert "the protocol sets 'steps'" in capsys.readouterr().err
+    assert cli.main(["run", "text", "--executor", "population"]) == 2
+    assert "--executor population: text trains on text streams" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         cli.main(["run", "core", "--deadline", "soon"])
     assert e.value.code == 2 and "--deadline: got 'soon'" in capsys.readouterr().err
@@ -196,3 +198,30 @@ def test_the_committed_page_is_what_the_records_generate():
     docs = Path(__file__).resolve().parents[1] / "docs"
     assert (docs / "results.md").read_text() == page.build(docs, protocol.TABLES)[0], \
         "docs/results.md is generated: run `python -m rnnlab.zoo page`"
+
+
+def test_a_text_table_chooses_on_validation_bpc_lower_is_better_and_reports_the_test_plays(tmp_path):
+    table = Table("tinytext", "Tiny text", "zoo_text", (), (Setting("lstm"),), (1e-3, 3e-3), 3, 6, "bpc", False, 16, (),
+                  "A stand-in text table.", choose_on="valid",
+                  split_columns=(("valid", "bpc"), ("test", "bpc"), ("test", "bpc_reset")))
+    assert not any(o.startswith("data.eval_seq_lens") for o in table.job_overrides(table.settings[0], 1e-3, 0))
+    valid = {(1e-3, 0): 2.5, (3e-3, 0): 2.2, (3e-3, 1): 2.3, (3e-3, 2): 2.4}  # 3e-3 is chosen: lower is better
+
+    def results(lr, seed):
+        bpc = valid[(lr, seed)]
+        return {"status": "completed", "step": 6, "eval_loss": bpc * 0.69, "eval_metrics": {"bpc": bpc, "bpc_reset": bpc + 0.1},
+                "test_loss": 1.0, "test_bpc": bpc + 0.05, "test_bpc_reset": bpc + 0.2,
+                "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2},
+                               "started_utc": "2026-12-01T00:00:00Z"}}
+
+    new = [records.record_from_results(table, table.settings[0], lr, seed, results(lr, seed), f"j{i}")
+           for i, (lr, seed) in enumerate(valid)]
+    assert new[0]["metrics"]["valid"]["bpc"] == 2.5 and new[0]["metrics"]["test"] == {
+        "loss": 1.0, "bpc": 2.55, "bpc_reset": 2.7}
+    assert records.score(new[0], table) == 2.5
+    records.merge(tmp_path, table, new)
+    text = page.build(tmp_path, {"tinytext": table})[0]
+    assert "| setting | bpc@valid | bpc@test | bpc_reset@test | lr | seeds | seed 0 @valid: 1e-3 / 3e-3 |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| lstm |") and "±" in line)
+    assert row.startswith("| lstm | 2.3 ± 0.1 | 2.35 ± 0.1 | 2.5 ± 0.1 | 3e-3 | 3 | 2.5 / **2.2** |"), row
+    assert "![" not in text  # no plot against length for a table of splits

@@ -34,14 +34,15 @@ class Row:
     chosen: list[Mapping[str, Any]]  # the records of every seed at the chosen lr
     complete: bool  # under the protocol: the grid done and every seed at its lr
 
-    def stats(self, table: Table, n: int) -> tuple[float | None, float | None]:
-        return records.mean_and_spread([value(r, table.metric, n) for r in self.chosen])
+    def stats(self, table: Table, n: int | str, metric: str | None = None) -> tuple[float | None, float | None]:
+        """Mean and sd over the chosen seeds of `metric` (the headline one by default) at length or split `n`."""
+        return records.mean_and_spread([value(r, metric or table.metric, n) for r in self.chosen])
 
     def jobs(self) -> int:
         return sum(r is not None for r in self.grid.values()) + sum(int(r["seed"]) > 0 for r in self.chosen)
 
 
-def value(record: Mapping[str, Any], metric: str, n: int) -> float | None:
+def value(record: Mapping[str, Any], metric: str, n: int | str) -> float | None:
     if record.get("status") != "completed":
         return None
     v = (record.get("metrics") or {}).get(str(n), {}).get(metric)
@@ -129,27 +130,28 @@ def grid_text(row: Row, table: Table) -> str:
     cells = []
     for lr, record in row.grid.items():
         text = "not run" if record is None else (
-            fmt(value(record, table.metric, table.train_len)) if record.get("status") == "completed" else record["status"])
+            fmt(value(record, table.metric, table.choose_key)) if record.get("status") == "completed" else record["status"])
         cells.append(f"**{text}**" if row.lr is not None and same_lr(lr, row.lr) else text)
     return " / ".join(cells)
 
 
-def cell_text(row: Row, table: Table, n: int) -> str:
-    mean, spread = row.stats(table, n)
+def cell_text(row: Row, table: Table, n: int | str, metric: str | None = None) -> str:
+    mean, spread = row.stats(table, n, metric)
     return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "") if mean is not None else "-"
 
 
 def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False) -> list[str]:
     papers = table.key in ("parity", "s3")
     grid = " / ".join(lr_text(lr) for lr in table.lrs)
-    head = ["setting", *(f"{table.metric}@{n}" + (" (train)" if n == table.train_len else "") for n in table.eval_lens),
-            "lr", "seeds", f"seed 0 @{table.train_len}: {grid}", *(["the papers", "agrees?"] * papers), "params",
+    head = ["setting", *(f"{metric}@{key}" + (" (train)" if key == str(table.train_len) else "")
+                         for key, metric in table.columns),
+            "lr", "seeds", f"seed 0 @{table.choose_key}: {grid}", *(["the papers", "agrees?"] * papers), "params",
             "tokens/s", *(["machine", "date", "commit"] * provenance_columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for row in rows:
         rates = [r.get("tokens_per_sec") for r in row.chosen if r.get("tokens_per_sec")]
         params = next((r.get("num_params") for r in row.chosen if r.get("num_params")), None)
-        cells = [row.setting, *(cell_text(row, table, n) for n in table.eval_lens),
+        cells = [row.setting, *(cell_text(row, table, key, metric) for key, metric in table.columns),
                  lr_text(row.lr) if row.lr is not None else "every lr failed", str(len(row.chosen)),
                  grid_text(row, table), *([claim(table, row.setting)[0] or "-", verdict(row, table)] * papers),
                  f"{params:,}" if params else "-", f"{records.mean_and_spread(rates)[0]:,.0f}" if rates else "-"]
@@ -209,15 +211,18 @@ def anchor(heading: str) -> str:
 
 
 def coverage(tables: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]) -> list[str]:
-    """Cells x tables: ✓ (the cell's default setting under the protocol), k/n (jobs recorded so far), or -."""
+    """Cells x tables: ✓ (the cell's default setting, or the one setting a table runs it with, under the protocol),
+    k/n (jobs recorded so far), or -."""
     cells = list(dict.fromkeys(s.cell for t in tables for s in t.settings))
     head = ["cell", *(f"[{t.title}](#{anchor(t.title)})" for t in tables)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for cell in cells:
         marks = []
         for t in tables:
-            row = next((r for r in built[t.key][0] if r.setting == cell), None)
-            if t.setting(cell) is None:
+            # The cell's default setting, or where a table runs it only with keys of its own, that setting.
+            setting = t.setting(cell) or next((s for s in t.settings if s.cell == cell), None)
+            row = next((r for r in built[t.key][0] if setting and r.setting == setting.name), None)
+            if setting is None:
                 marks.append("")
             elif row is None or row.jobs() == 0:
                 marks.append("-")
@@ -249,7 +254,7 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
              "header; records of other commits or devices are counted there, not mixed in.", ""]
     cell_tables = [t for t in tables.values() if t.cell_key == "model"]
     if cell_tables:
-        lines += ["## Coverage", "", "Each cell's default setting in each table, at the table's commit and device: ✓ "
+        lines += ["## Coverage", "", "Each cell's default setting in each table (attention on text: with its window), at the table's commit and device: ✓ "
                   "under the protocol (its grid and every seed at the chosen lr), k/n jobs recorded so far, - none yet "
                   "(a table with none is not on the page yet: see [Earlier runs](#earlier-runs)).", "",
                   *coverage(cell_tables, built), ""]
@@ -261,11 +266,11 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
         lines += [f"## {table.title}", "", table.about, "",
                   f"Commit `{(commit or 'not recorded')[:12]}` on {kind}, {dates(mine)}: {len(done)} of "
                   f"{len(table.settings)} settings under the protocol, each at the lr its seed-0 grid chose on "
-                  f"{table.metric}@{table.train_len}; mean ± sd over {table.seeds} seeds at that lr."
+                  f"{table.metric}@{table.choose_key}; mean ± sd over {table.seeds} seeds at that lr."
                   + (f" ({others} record(s) of other commits or devices not shown.)" if others else ""), ""]
         if done:
             lines += [*markdown_table(done, table), ""]
-            if any(r.lr is not None for r in done):
+            if any(r.lr is not None for r in done) and len(table.eval_lens) > 1:  # a metric against length
                 lines += [f"![{table.title}]({plot_name(table)})", ""]
                 plotted[table.key] = [r for r in done if r.lr is not None]
         if waiting:

@@ -31,7 +31,12 @@ def record_from_results(table: Table, setting: Setting, lr: float, seed: int, re
     metrics: dict[str, dict[str, float | None]] = {}
     train = {"loss": results.get("eval_loss"), **(results.get("eval_metrics") or {})}
     if any(v is not None for v in train.values()):
-        metrics[str(table.train_len)] = train
+        metrics[table.choose_key] = train
+    for split in {key for key, _ in table.split_columns} - {table.choose_key}:  # data=text's test split, at the end
+        prefix = f"{split}_"
+        found = {k[len(prefix):]: v for k, v in results.items() if k.startswith(prefix)}
+        if any(v is not None for v in found.values()):
+            metrics[split] = found
     for length, values in (results.get("eval_by_len") or {}).items():
         metrics.setdefault(str(length), dict(values))
     return {"table": table.key, "setting": setting.name, "lr": float(lr), "seed": int(seed), "job": job,
@@ -42,7 +47,7 @@ def score(record: Mapping[str, Any], table: Table) -> float | None:
     """The protocol's score of a job: its headline metric at the training length, if it completed with one."""
     if record.get("status") != "completed":
         return None
-    value = (record.get("metrics") or {}).get(str(table.train_len), {}).get(table.metric)
+    value = (record.get("metrics") or {}).get(table.choose_key, {}).get(table.metric)
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
