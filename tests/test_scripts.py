@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT, require, train_env
+from conftest import ROOT, TEXT_FIXTURE_DATA, require, train_env
 from rnnlab import flops
 
 
@@ -226,3 +226,22 @@ def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
     for key, value in results["eval_by_len"]["40"].items():
         assert float(rows[40][key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
     assert 0 <= float(rows[1000]["accuracy"]) <= 1 and rows[1000]["step"] == "6"
+
+
+@pytest.mark.slow
+def test_bench_text_times_the_carried_the_reset_and_a_synthetic_loop_side_by_side(tmp_path):
+    """scripts/bench_text.py at a toy size on the fixture corpus: a row per loop, the JSON the table printed."""
+    out = tmp_path / "text.json"
+    data = TEXT_FIXTURE_DATA[1:]  # the corpus keys after data=text, which the script sets itself
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--cells", "gru", "--hidden", "8",
+                           "--layers", "1", "--batch", "4", "--seq-len", "16", "--steps", "8", "--repeats", "1",
+                           "--data", *data, "--json", str(out)], capture_output=True, text=True, env=train_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["loop"] for r in rows] == ["text, carried", "text, reset", "mqar (synthetic)"]
+    assert all(r["tokens_per_sec"] > 0 for r in rows) and rows[-1]["vs_synthetic"] == 1.0
+    for r in rows:
+        assert f"{r['tokens_per_sec']:,.0f}" in proc.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--steps", "0"], capture_output=True,
+                         text=True, env=train_env(), timeout=120)
+    assert bad.returncode == 2 and "--steps: got 0" in bad.stderr.strip().splitlines()[-1]
