@@ -101,7 +101,7 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
     parallel.check_batch_divides(config.batch_size, len(devices))
     task = tasks.make_task(config.data)
     if carries_state(task):
-        _check_stream_task(config, task)
+        check_stream_task(config, task)
     saved = rundir.saved_run_config(checkpointer, config.checkpoint.resume)
     recorded = saved.get(rundir.DEVICES_USED_KEY) if saved is not None else None
     if saved is not None:  # the device count is compared once it is chosen (trainer's restore)
@@ -120,7 +120,7 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
     return dataclasses.replace(setup, devices=setup.devices[:count], device_note=note)
 
 
-def _check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
+def check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
     """data=text: refuse what its streams cannot do, then read the corpus and lay out its streams (a corpus that
     cannot be had, or a training text too short for the batch: ConfigError, one line, exit 2)."""
     from rnnlab import corpora  # noqa: PLC0415 - only data=text reads a corpus

@@ -110,7 +110,9 @@ def replicated_state(config: cfg.Config, task: tasks.Task, devices: list) -> tup
     model = build_model(config.model, task.output_dim, input_dim=task.input_dim)
     tx, schedule = steps.make_optimizer(config.optimizer, 1000)
     example = task.example_inputs(config.batch_size // len(devices))
-    return parallel.replicate(steps.create_train_state(jax.random.key(0), model, example, tx), devices), schedule
+    carry = config.batch_size if steps.carries_state(task) else 0  # data=text: the streams' state, as train.py keeps it
+    state = steps.create_train_state(jax.random.key(0), model, example, tx, carry_batch=carry)
+    return parallel.replicate(state, devices), schedule
 
 
 class RnnlabStep:

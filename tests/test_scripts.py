@@ -233,15 +233,22 @@ def test_bench_text_times_the_carried_the_reset_and_a_synthetic_loop_side_by_sid
     """scripts/bench_text.py at a toy size on the fixture corpus: a row per loop, the JSON the table printed."""
     out = tmp_path / "text.json"
     data = TEXT_FIXTURE_DATA[1:]  # the corpus keys after data=text, which the script sets itself
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--cells", "gru", "--hidden", "8",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--cells", "gru", "attention model.window=4", "--hidden", "8",
                            "--layers", "1", "--batch", "4", "--seq-len", "16", "--steps", "8", "--repeats", "1",
                            "--data", *data, "--json", str(out)], capture_output=True, text=True, env=train_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["loop"] for r in rows] == ["text, carried", "text, reset", "mqar (synthetic)"]
-    assert all(r["tokens_per_sec"] > 0 for r in rows) and rows[-1]["vs_synthetic"] == 1.0
+    assert [(r["cell"], r["loop"]) for r in rows] == [
+        (cell, loop) for cell in ("gru", "attention model.window=4") for loop in ("text, carried", "text, reset", "mqar (synthetic)")]
+    assert all(r["tokens_per_sec"] == pytest.approx(4 * 16 / (r["ms_per_step"] / 1e3)) for r in rows)
     for r in rows:
         assert f"{r['tokens_per_sec']:,.0f}" in proc.stdout
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--steps", "0"], capture_output=True,
                          text=True, env=train_env(), timeout=120)
     assert bad.returncode == 2 and "--steps: got 0" in bad.stderr.strip().splitlines()[-1]
+    # train.py's own refusal, before any compile: full attention's cache would grow without end on a stream
+    full = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_text.py"), "--cells", "attention", "--hidden", "8",
+                           "--batch", "4", "--seq-len", "16", "--data", *data], capture_output=True, text=True,
+                          env=train_env(), timeout=300)
+    (line,) = full.stderr.strip().splitlines()
+    assert full.returncode == 2 and line.startswith("bench_text: error:") and "key 'model.window'" in line, full.stderr

@@ -136,9 +136,9 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
             return 0
         runner.check_extra(args.overrides)
         chosen = selected(args, tables, suites)
-        streamed = [t.key for t in chosen if t.split_columns]
-        if args.command == "run" and args.executor == "population" and streamed:
-            raise ZooError(f"--executor population: {', '.join(streamed)} trains on text streams, which the population "
+        alone = [t.key for t in chosen if not t.population]
+        if args.command == "run" and args.executor == "population" and alone:
+            raise ZooError(f"--executor population: {', '.join(alone)} trains on text streams, which the population "
                            f"launcher does not carry; allowed: --executor processes for it")
         root = runner.repo_root()
         kind = runner.machine_kind()

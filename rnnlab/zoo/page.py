@@ -254,7 +254,8 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
              "header; records of other commits or devices are counted there, not mixed in.", ""]
     cell_tables = [t for t in tables.values() if t.cell_key == "model"]
     if cell_tables:
-        lines += ["## Coverage", "", "Each cell's default setting in each table (attention on text: with its window), at the table's commit and device: ✓ "
+        lines += ["## Coverage", "", "Each cell's default setting in each table (or the one setting a table runs it with), at the table's "
+                  "commit and device: ✓ "
                   "under the protocol (its grid and every seed at the chosen lr), k/n jobs recorded so far, - none yet "
                   "(a table with none is not on the page yet: see [Earlier runs](#earlier-runs)).", "",
                   *coverage(cell_tables, built), ""]

@@ -70,6 +70,7 @@ class Table:
     # validation split) and the (record key, metric) columns reported; "" and () for a table of lengths.
     choose_on: str = ""
     split_columns: tuple[tuple[str, str], ...] = ()
+    population: bool = True  # whether hydra/launcher=population can run its jobs (not data=text's carried streams)
 
     @property
     def choose_key(self) -> str:
@@ -173,7 +174,7 @@ TABLES["text"] = Table(
     "validation plays' bpc (hamlet, twelfth_night, richard_ii), the test plays' (othello, much_ado_about_nothing, "
     "henry_v) reported: bpc with the state carried through each play, bpc_reset with it reset every 128 bytes. The "
     "unigram entropy of the training text is 4.81 bits.", choose_on="valid",
-    split_columns=(("valid", "bpc"), ("test", "bpc"), ("test", "bpc_reset")))
+    split_columns=(("valid", "bpc"), ("test", "bpc"), ("test", "bpc_reset")), population=False)
 
 # A suite: the tables one `run` fills, in order. `core`: every cell on the four tables the page leads with.
 SUITES: dict[str, tuple[str, ...]] = {
