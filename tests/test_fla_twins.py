@@ -42,8 +42,9 @@ from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent, ssd_chunked
 pytestmark = pytest.mark.slow
 
 B, H, DK, DV = 2, 2, 8, 16
-LENGTHS = (5, 16, 37)  # shorter than a chunk of 8 or 16; a multiple of every chunk; a multiple of none
-CHUNKS = (4, 8, 16)
+# (length, chunk): shorter than its chunk (padded); several whole chunks; one whole chunk; whole chunks and a part.
+# Each length and each chunk size is met; the forms treat every pair by the same padding and the same scan.
+LENGTH_CHUNKS = ((5, 8), (16, 4), (16, 16), (37, 8))
 BETAS = {"beta_lt1": (0.05, 0.95), "beta_lt2": (0.05, 1.95)}  # (0, 1); (0, 2): allow_neg_eigval
 RTOL = 1e-5  # of the largest |value| of each compared array; float32 in both (seen: at most 1.2e-6)
 
@@ -225,8 +226,7 @@ def fla_simple_gla_chunk(fla, chunk):
 # --- DeltaNet and gated DeltaNet ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("beta_kind", list(BETAS))
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
     """DeltaNet (no gate) against fla's delta_rule_recurrence and delta_rule_chunkwise (same chunk size)."""
@@ -237,8 +237,7 @@ def test_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
 
 
 @pytest.mark.parametrize("beta_kind", list(BETAS))
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_gated_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
     """Gated DeltaNet (log_alpha down to -3) against fla's naive_recurrent_ and naive_chunk_gated_delta_rule."""
@@ -252,8 +251,7 @@ def test_gated_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
 
 # --- GLA, and one gate per head (Mamba-2's SSD) ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_gla_matches_fla(fla, form, length, chunk):
     """GLA, a gate per key channel, against fla's naive_recurrent_gla."""
@@ -271,8 +269,7 @@ def gla_recurrent_per_head(q, k, v, log_alpha, checkpoint_every):
 
 
 @pytest.mark.parametrize("groups", [H, 1])
-@pytest.mark.parametrize("chunk", CHUNKS)
-@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
 @pytest.mark.parametrize("form", ["ssd_chunked", "gla_recurrent"])
 def test_scalar_gate_matches_fla_simple_gla(fla, form, length, chunk, groups):
     """One gate per head (SSD; q, k one per head, or one group shared by the heads as Mamba-2's C and B)
@@ -349,8 +346,7 @@ def test_fla_delta_product_is_the_delta_rule_over_substeps(fla, n_h, beta_kind, 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 @pytest.mark.parametrize("beta_kind", list(BETAS))
-@pytest.mark.parametrize("chunk", [4, 8])
-@pytest.mark.parametrize("length", [5, 16, 37])
+@pytest.mark.parametrize("length, chunk", [(5, 8), (16, 4), (37, 8)])
 @pytest.mark.parametrize("n_h", [1, 2, 3])
 @pytest.mark.parametrize("form", ["recurrent", "chunked"])
 def test_delta_product_matches_fla(fla, form, n_h, length, chunk, beta_kind, gated):

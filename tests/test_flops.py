@@ -61,22 +61,19 @@ def unrolled_scans():
 
 
 SMALL = ["batch_size=4", "hidden_dim=8", "num_layers=2", "data.seq_len=5"]
+# Options that reach a cell's own code (its recurrence, its time scans, its input projection and the fold) run with
+# every cell they apply to in the full tier; those that only change what surrounds the cells (the layer stack, the
+# MLP, a dtype, an unfolded embedding) with one cell of each kind of state (KINDS).
 OPTIONS = [
     [],
-    ["model.scan_layers=false", "num_layers=3"],
     ["model.recurrence=autodiff"],
     ["model.recurrence=autodiff", "model.remat=true"],
-    ["model.dtype=bfloat16", "model.unroll=2"],
     ["model.recurrence=custom_vjp", "model.unroll=2", "model.scan_layers=false"],
     ["data=copy", "data.seq_len=12"],  # token ids, I + 1 = 11 < B*T = 128: the embedding folded into W_xh
     ["data=copy", "data.seq_len=12", "hidden_dim=4"],  # I >= 2H, but token ids: folded all the same
     ["data=copy", "data.seq_len=12", "model.recurrence=autodiff"],  # the folded gather inside the time scan
-    ["data=mqar", "data.seq_len=16", "data.vocab_size=64"],  # token ids, I + 1 = 65 >= B*T = 64: not folded
     ["model.block=residual", "num_layers=3"],
     ["model.block=residual", "model.scan_layers=false", "model.recurrence=autodiff"],
-    ["model.block=residual", "model.mlp=gelu", "model.mlp_expand=4", "model.mlp_bias=true"],  # GPT-2's MLP
-    ["model.block=residual", "model.mlp=swiglu", "model.mlp_expand=2.667"],  # an expansion that rounds
-    ["model.block=residual", "model.mlp=none"],
     ["model.time_scan=associative"],  # linear cells only
     ["model.time_scan=associative", "model.recurrence=autodiff", "model.block=residual"],
     ["model.time_scan=chunked"],  # matrix-state cells and mamba
@@ -84,6 +81,16 @@ OPTIONS = [
     ["model.time_scan=blockwise", "++model.block_size=2"],  # attention only; T=5: the last block padded
     ["model.time_scan=blockwise", "++model.block_size=2", "++model.window=3"],  # attention: 5 of the 6 block pairs
 ]
+AROUND_THE_CELLS = [
+    ["model.scan_layers=false", "num_layers=3"],
+    ["model.dtype=bfloat16", "model.unroll=2"],
+    ["data=mqar", "data.seq_len=16", "data.vocab_size=64"],  # token ids, I + 1 = 65 >= B*T = 64: not folded
+    ["model.block=residual", "model.mlp=gelu", "model.mlp_expand=4", "model.mlp_bias=true"],  # GPT-2's MLP
+    ["model.block=residual", "model.mlp=swiglu", "model.mlp_expand=2.667"],  # an expansion that rounds
+    ["model.block=residual", "model.mlp=none"],
+]
+# One cell of each kind of state: a carry, a linear recurrence, an SSM, a matrix state, attention's cache.
+KINDS = ["rnn", "mingru", "mamba", "gated_deltanet", "attention"]
 
 
 def cell_overrides(cell, options=()):
@@ -104,11 +111,14 @@ def _applies(cell, options):
 
 # The fast tier: each cell with the default options, and each option with the first cell it applies to.
 FAST_OPTIONS = [(c, []) for c in PACKAGE_CELLS] + [
-    (c, o) for o in OPTIONS if o for c in [next((c for c in ["rnn", *PACKAGE_CELLS] if _applies(c, o)), None)] if c]
+    (c, o) for o in OPTIONS + AROUND_THE_CELLS if o
+    for c in [next((c for c in ["rnn", *PACKAGE_CELLS] if _applies(c, o)), None)] if c]
+FULL_OPTIONS = [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)] + [
+    (c, o) for o in AROUND_THE_CELLS for c in KINDS if _applies(c, o)]
 
 
 @pytest.mark.parametrize("cell, options", FAST_OPTIONS + fast_first(
-    [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o) and (c, o) not in FAST_OPTIONS], keep=0),
+    [(c, o) for c, o in FULL_OPTIONS if (c, o) not in FAST_OPTIONS], keep=0),
                          ids=lambda v: v if isinstance(v, str) else ",".join(v) or "default")
 def test_analytic_count_equals_the_traced_matmuls(cell, options):
     """Exact: every dot_general of the traced step (scan bodies times their length), remat included."""

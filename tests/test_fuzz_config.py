@@ -221,7 +221,7 @@ BOUNDED = tuple(v.split("=")[0] for v in BOUNDED_VALUES)
 
 
 @pytest.mark.slow
-@settings(max_examples=12, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(overrides=override_lists())  # by name: a positional strategy fills the rightmost argument (the fixture)
 def test_fuzz_train_py_end_to_end(overrides, tmp_path_factory):
     """The same property through `python train.py`: exit 0 or 2, one `rnnlab: error:` line naming a key,

@@ -238,7 +238,7 @@ def test_a_grown_grid_trains_the_new_member_apart_and_keeps_the_finished_ones(tm
 
 @pytest.mark.slow
 def test_sigterm_and_sigkill_then_the_same_command_ends_as_an_uninterrupted_population(tmp_path):
-    common = ["-m", *SWEEP, "steps=600", "eval_every=300", "checkpoint.every=10", "log_every=10",
+    common = ["-m", *SWEEP, "steps=300", "eval_every=150", "checkpoint.every=10", "log_every=10",
               "hydra/launcher=population"]
     killed = tmp_path / "killed"
     command = [sys.executable, str(ROOT / "train.py"), *common, f"hydra.sweep.dir={killed}"]
@@ -252,7 +252,7 @@ def test_sigterm_and_sigkill_then_the_same_command_ends_as_an_uninterrupted_popu
     assert whole.returncode == 0
     for a, b in zip(run_dirs(killed), run_dirs(tmp_path / "whole")):
         assert json.loads((a / "results.json").read_text())["status"] == "completed"
-        for x, y in zip(leaves(saved_state(a, 600)), leaves(saved_state(b, 600))):
+        for x, y in zip(leaves(saved_state(a, 300)), leaves(saved_state(b, 300))):
             np.testing.assert_array_equal(x, y)
 
 

@@ -16,7 +16,9 @@ from rnnlab.models import build_model, initial_state
 from test_fuzz_config import group_options  # noqa: E402
 
 B, T, H = 2, 23, 8
-CUTS = (1, 7, 3, 12)  # segments of 1, 7, 3 and 12 steps: a lone step, a chunk and more, a part of one
+# A lone step and a chunk and more (7 = 4 + 3 with SMALL's chunk and block of 4), so that segments start and end
+# inside a chunk; two segment lengths, so two programs besides the whole sequence's (each one is a compile).
+CUTS = (1, 7, 7, 1, 7)
 
 
 # The fast tier: one cell of each kind of state, in its yaml's own form (a carry; a linear recurrence's h; an SSM's

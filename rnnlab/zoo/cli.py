@@ -55,7 +55,7 @@ EPILOG_OVERRIDES = ("Overrides for every job go after --: keys the protocol leav
 
 
 def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> argparse.ArgumentParser:
-    names = [*suites, *tables]
+    names = list(dict.fromkeys([*suites, *tables]))  # a suite of one table shares its name ("text")
     p = argparse.ArgumentParser(prog="python -m rnnlab.zoo", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
