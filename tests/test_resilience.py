@@ -181,7 +181,25 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("args,key", BAD_INPUTS, ids=[" ".join(a) for a, _ in BAD_INPUTS])
+# Through `python train.py`: one of each kind of refusal (a value, a group's option, an unknown key), and those only a
+# started run can see (the platform, the batch against the devices found); every case in process just below.
+CLI_BAD_INPUTS = [(["hidden_dim=0"], "'hidden_dim'"), (["model=transformer"], "'model'"),
+                  (["+model.depth=2"], "'model.depth'"), (["device=gpu"], "'device.platform'"),
+                  (["device.num_devices=4", "batch_size=30"], "'batch_size'")]
+
+
+def test_bad_config_input_is_refused_in_one_line_naming_the_key():
+    """train.config_exit is the check `python train.py` runs on its config before anything starts."""
+    import train
+
+    for args, key in BAD_INPUTS:
+        if (args, key) in CLI_BAD_INPUTS[3:]:
+            continue
+        code, line = train.config_exit([*RUN, *args])
+        assert code == 2 and key in line and "\n" not in line, (args, code, line)
+
+
+@pytest.mark.parametrize("args,key", CLI_BAD_INPUTS, ids=[" ".join(a) for a, _ in CLI_BAD_INPUTS])
 def test_bad_input_exits_2_naming_the_key(tmp_path, args, key):
     proc = run_train([*RUN, *args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=120)
     lines = proc.stderr.strip().splitlines()

@@ -4,6 +4,7 @@ records, and a page that the same records regenerate byte for byte. The real tra
 tests/test_zoo_end_to_end.py (full tier)."""
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,25 @@ def test_a_deadline_stops_jobs_with_sigterm_and_the_next_run_resumes(tmp_path, c
     monkeypatch.setenv("FAKE_SECONDS", "0")
     assert run_once(tmp_path, code, table)[0] == 0
     assert len(records.read_table(tmp_path / "docs", "tiny")) == 5
+
+
+def test_sigterm_to_the_runner_stops_its_jobs_as_a_deadline_does(tmp_path, code, monkeypatch):
+    """A runner killed politely (a scheduler's SIGTERM, Ctrl-C) leaves no job running unseen: they save, and the
+    next run resumes them."""
+    import signal
+    import threading
+
+    monkeypatch.setenv("FAKE_SECONDS", "30")
+    table = tiny_table(("gru",))
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    started = time.time()
+    exit_code, lines = run_once(tmp_path, code, table)
+    assert exit_code == 75 and time.time() - started < 20
+    assert any(line.startswith("SIGTERM: stopping 2 running jobs") for line in lines)
+    assert signal.getsignal(signal.SIGTERM) is before  # the caller's handler again
+    stopped = [json.loads(p.read_text())["status"] for p in (tmp_path / "out" / "tiny").glob("*/*/results.json")]
+    assert stopped == ["preempted", "preempted"]
 
 
 def test_the_population_executor_runs_a_settings_grid_then_its_seeds_as_one_program_each(tmp_path):

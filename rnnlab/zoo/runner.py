@@ -20,6 +20,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -354,11 +355,13 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
         status()
 
     stopped = False
+    signalled: list[int] = []
+    previous = _on_stop_signals(signalled.append)
     status()
     while True:
         for unit in [u for u in running if u.proc.poll() is not None]:
             finish(unit)
-        if time.time() >= deadline:
+        if time.time() >= deadline or signalled:
             stopped = True
             break
         plan = make_plan(ledger, tables, attempted)
@@ -370,7 +373,8 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
             attempted.update(j.name for j in unit.jobs)
         time.sleep(1.0)
     if stopped and running:
-        say(f"deadline: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
+        why = f"{signal.Signals(signalled[0]).name}" if signalled else "deadline"
+        say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
             "at the next run)")
         for unit in running:
             with _suppress():
@@ -385,10 +389,24 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
                 os.killpg(unit.proc.pid, signal.SIGKILL)
             unit.proc.wait()
             finish(unit)
+    _restore_signals(previous)
     plan = make_plan(ledger, tables)
     if plan.todo_now or plan.later:
         return 75 if stopped else 1
     return 0
+
+
+def _on_stop_signals(handler: Callable[[int], None]) -> dict[int, Any]:
+    """SIGTERM and SIGINT stop a run as its deadline does (jobs told to save, their records collected), so that
+    a killed runner leaves no job running unseen; the handlers before, to restore. Off the main thread: none."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, lambda signum, frame: handler(signum)) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 class _suppress:
