@@ -8,6 +8,7 @@ compilation cache under `.pytest_cache/` (never the user's cache): a rerun skips
 """
 
 import contextlib
+import functools
 import importlib
 import os
 import subprocess
@@ -118,7 +119,14 @@ def fast_first(values, keep=1):
 
 
 def compose_config(overrides=()):
-    """The real conf/ composed by Hydra with `overrides`, as a validated Config."""
+    """The real conf/ composed by Hydra with `overrides`, as a validated Config. A Config is frozen and conf/ does
+    not change while the tests run, so each list of overrides is composed once a process (a composition takes
+    Hydra 0.1-0.2 s; the suite asks for the same ones many times). A refusal is not kept: it is raised each time."""
+    return _composed(tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides):
     from rnnlab.config import from_omegaconf
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -68,11 +68,10 @@ def scalars(run_dir, tag):
 
 
 @pytest.mark.parametrize("extra", [
-    pytest.param(("device.num_devices=2",), id="pmap-2-devices"),
+    pytest.param(("device.num_devices=2", "data=copy", "data.seq_len=12", "model=lstm"), id="pmap-2-devices-copy"),
     pytest.param(("device.num_devices=2", "device.strategy=shard_map", "data.eval_seq_lens=[6,12]",
                   "data.eval_segment_len=4", "log.histograms_every=4"), id="shard_map-segments-histograms",
                  marks=pytest.mark.slow),
-    pytest.param(("data=copy", "data.seq_len=12", "model=lstm"), id="copy-examples", marks=pytest.mark.slow),
 ])
 def test_each_member_ends_as_its_own_run(tmp_path, extra):
     from rnnlab.population import train_population

@@ -7,8 +7,9 @@ seed 0 first; once the grid is done the protocol's rule (`protocol.choose_lr`) p
 seeds go to the front of the queue. The code runs from a git worktree of the pinned commit (`<out>/worktrees/`),
 never from the checkout being edited. Two executors: `processes` (one train.py per job, `--parallel` side by side:
 one per core, or several sharing a GPU) and `population` (hydra/launcher=population: a setting's grid as one
-program, then its seeds as one program). At `--deadline` nothing new starts and running jobs get SIGTERM (they save
-and end `preempted`; the next `run` resumes them), then SIGKILL after `--grace` seconds.
+program, then its seeds as one program). At `--deadline`, or on SIGTERM or Ctrl-C to the runner, nothing new starts
+and running jobs get SIGTERM (they save and end `preempted`; the next `run` resumes them), then SIGKILL after
+`--grace` seconds.
 """
 
 from __future__ import annotations
