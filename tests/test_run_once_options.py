@@ -20,7 +20,7 @@ from rnnlab.models import build_model
 def equal(a, b):
     return jax.tree_util.tree_all(jax.tree_util.tree_map(lambda x, y: bool(np.array_equal(x, y)), a, b))
 
-overrides, report = json.loads(sys.argv[1]), {}
+overrides, report, batches_equal = json.loads(sys.argv[1]), {}, {}
 for extra in overrides:
     with initialize_config_dir(config_dir=sys.argv[2], version_base="1.3"):
         config = cfg.from_omegaconf(compose("config", overrides=["hidden_dim=16", "num_layers=2", *extra]))
@@ -29,11 +29,13 @@ for extra in overrides:
     model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
     key, example = jax.random.key(3), task.example_inputs(2)
     inits = [jax.jit(model.init, compiler_options=o)(key, example) for o in (None, steps.run_once_options("cpu"))]
-    dp = parallel.DataParallel(devices[:2], "pmap")
-    sample = steps.make_sampler(task, tasks.stream_key(0, tasks.EVAL_STREAM), 2, dp)
-    lowered = sample.lower(dp.host_scalar(0))
-    batches = [lowered.compile(compiler_options=o)(dp.host_scalar(5)) for o in (None, steps.run_once_options("cpu"))]
-    report[" ".join(extra)] = [equal(*inits), equal(*batches)]
+    if task.name not in batches_equal:  # a task's eval batches are one program whichever cell reads them
+        dp = parallel.DataParallel(devices[:2], "pmap")
+        sample = steps.make_sampler(task, tasks.stream_key(0, tasks.EVAL_STREAM), 2, dp)
+        lowered = sample.lower(dp.host_scalar(0))
+        batches = [lowered.compile(compiler_options=o)(dp.host_scalar(5)) for o in (None, steps.run_once_options("cpu"))]
+        batches_equal[task.name] = equal(*batches)
+    report[" ".join(extra)] = [equal(*inits), batches_equal[task.name]]
 print(json.dumps(report))
 """
 
