@@ -27,8 +27,8 @@ SMALL = ["hidden_dim=8", "data.seq_len=6"]
 
 def init_and_apply(config, x, key=0):
     model = build_model(config.model, output_dim=1)
-    params = model.init(jax.random.key(key), x)["params"]
-    return params, model.apply({"params": params}, x)
+    params = jax.jit(model.init)(jax.random.key(key), x)["params"]  # a program each, not one a primitive
+    return params, jax.jit(model.apply)({"params": params}, x)
 
 
 @pytest.mark.parametrize("model", group_options("model"))

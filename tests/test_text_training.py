@@ -119,18 +119,19 @@ def test_two_steps_with_the_carry_are_one_forward_over_both_windows_with_the_gra
     w0, w1 = (task.sample_step(arrays, jnp.int32(k), 0, BATCH, BATCH) for k in (0, 1))
     assert not np.asarray(w1.reset).any()  # one document runs on across both steps in every stream
     params, fresh = state.params, initial_state(model, BATCH)
-    both, after_both = model.apply({"params": params}, jnp.concatenate([w0.inputs, w1.inputs], 1), state=fresh)
-    _, after_first = model.apply({"params": params}, w0.inputs, state=fresh)
+    apply = jax.jit(model.apply)  # a program a shape, not one a primitive
+    both, after_both = apply({"params": params}, jnp.concatenate([w0.inputs, w1.inputs], 1), state=fresh)
+    _, after_first = apply({"params": params}, w0.inputs, state=fresh)
     trained, rows = train(config, 2)
     assert_tree_close(trained.carry, after_both, rtol=1e-5)
     np.testing.assert_allclose(rows[1]["loss"], task.loss_and_metrics(both[:, SEQ_LEN:], w1.targets)[0], rtol=1e-5)
 
     def second_loss(p, start):
-        return task.loss_and_metrics(model.apply({"params": p}, w1.inputs, state=start)[0], w1.targets)[0]
+        return task.loss_and_metrics(apply({"params": p}, w1.inputs, state=start)[0], w1.targets)[0]
 
-    stopped = optax.tree.norm(jax.grad(second_loss)(params, after_first))
-    through = optax.tree.norm(jax.grad(
-        lambda p: second_loss(p, model.apply({"params": p}, w0.inputs, state=fresh)[1]))(params))
+    stopped = optax.tree.norm(jax.jit(jax.grad(second_loss))(params, after_first))
+    through = optax.tree.norm(jax.jit(jax.grad(
+        lambda p: second_loss(p, apply({"params": p}, w0.inputs, state=fresh)[1])))(params))
     np.testing.assert_allclose(rows[1]["grad_norm"], stopped, rtol=1e-5)
     assert abs(float(through) - float(stopped)) > 1e-4 * float(stopped)  # the gradient did not flow into step 1
 
@@ -153,14 +154,15 @@ def reference_eval(task, model, params, split="valid"):
     fresh = initial_state(model, rows)
     axes = state_batch_axes(model)
     carry, sums = fresh, {"carried": [0.0, 0], "reset": [0.0, 0]}
+    apply = jax.jit(model.apply)  # one program for every window, not one a primitive
     for k in range(layout.num_segments):
         w = task.eval_window(arrays, jnp.int32(k), 0, rows, True)
         reset = np.asarray(w.reset[:, 0])
         carry = jax.tree_util.tree_map(
             lambda c, f, a: jnp.where(jnp.asarray(reset).reshape([-1 if i == a else 1 for i in range(c.ndim)]), f, c),
             carry, fresh, axes)
-        out_carried, carry = model.apply({"params": params}, w.inputs, state=carry)
-        out_reset, _ = model.apply({"params": params}, w.inputs, state=fresh)
+        out_carried, carry = apply({"params": params}, w.inputs, state=carry)
+        out_reset, _ = apply({"params": params}, w.inputs, state=fresh)
         targets = np.asarray(w.targets)
         scored = targets != tasks.IGNORE
         for name, out in (("carried", out_carried), ("reset", out_reset)):
