@@ -52,7 +52,7 @@ def reference_gradients(config, params, step):
     def loss(p):
         return task.loss_and_metrics(model.apply({"params": p}, batch.inputs), batch.targets)[0]
 
-    return jax.tree_util.tree_map(np.asarray, jax.grad(loss)(params))
+    return jax.tree_util.tree_map(np.asarray, jax.jit(jax.grad(loss))(params))  # one program, not one a primitive
 
 
 @pytest.mark.parametrize("devices", [("device.num_devices=1",),
