@@ -87,7 +87,7 @@ def grads(form, length=LENGTHS[0], max_iclr=1.0):
     args = rwkv_inputs(length, seed=1, max_iclr=max_iclr)
     weights = np.random.default_rng(2).normal(size=args[2].shape)
     loss = lambda *xs: jnp.sum(FORMS[form](*xs) * weights)  # noqa: E731
-    return args, weights, jax.grad(loss, argnums=tuple(range(6)))(*f32(args))
+    return args, weights, jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*f32(args))
 
 
 @pytest.mark.parametrize("max_iclr", fast_first([1.0, 2.0]))
@@ -183,7 +183,7 @@ def test_layer_gradients_are_finite_where_the_input_is_zero(time_scan):
     def loss(p):
         return jnp.sum(cell.mix(p, jnp.zeros((9, B, 0)), jnp.float32(x), time_scan, 1, "autodiff") ** 2)
 
-    grads = jax.grad(loss)(jax.tree_util.tree_map(jnp.float32, params))
+    grads = jax.jit(jax.grad(loss))(jax.tree_util.tree_map(jnp.float32, params))
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree_util.tree_leaves(grads))
 
 

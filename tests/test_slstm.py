@@ -111,8 +111,8 @@ def test_the_hand_written_backward_is_autodiff():
     def loss(run):
         return lambda u, b, w: jnp.sum(run(u, b, w) * cot)
 
-    custom = jax.grad(loss(lambda u, b, w: recurrence(CELL, 1, u, b, {"W_hh": w})), (0, 1, 2))(u, b, w)
-    auto = jax.grad(loss(lambda u, b, w: scan_cell(CELL, {"W_hh": w}, u, b)[0]), (0, 1, 2))(u, b, w)
+    custom = jax.jit(jax.grad(loss(lambda u, b, w: recurrence(CELL, 1, u, b, {"W_hh": w})), (0, 1, 2)))(u, b, w)
+    auto = jax.jit(jax.grad(loss(lambda u, b, w: scan_cell(CELL, {"W_hh": w}, u, b)[0]), (0, 1, 2)))(u, b, w)
     for got, want in zip(custom, auto):
         close(got, want)
 
@@ -140,8 +140,8 @@ def test_the_layers_gradients_agree_between_custom_vjp_and_autodiff():
     def loss(recurrence_kind):
         return lambda p, x, w: jnp.sum(CELL.mix(p, x @ w, x, "sequential", 1, recurrence_kind) * cot)
 
-    custom = jax.grad(loss("custom_vjp"), (0, 1, 2))(params, x, w_xh)
-    auto = jax.grad(loss("autodiff"), (0, 1, 2))(params, x, w_xh)
+    custom = jax.jit(jax.grad(loss("custom_vjp"), (0, 1, 2)))(params, x, w_xh)
+    auto = jax.jit(jax.grad(loss("autodiff"), (0, 1, 2)))(params, x, w_xh)
     for got, want in zip(jax.tree_util.tree_leaves(custom), jax.tree_util.tree_leaves(auto)):
         close(got, want)
 
