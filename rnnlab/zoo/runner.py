@@ -374,7 +374,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
             attempted.update(j.name for j in unit.jobs)
         time.sleep(1.0)
     if stopped and running:
-        why = f"{signal.Signals(signalled[0]).name}" if signalled else "deadline"
+        why = signal.Signals(signalled[0]).name if signalled else "deadline"
         say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
             "at the next run)")
         for unit in running:
