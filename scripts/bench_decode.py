@@ -54,7 +54,7 @@ def measure(cell: str, batch: int, context: int, args) -> dict:
     config = compose(cell, args.hidden, args.layers)
     model = build_model(config.model, output_dim=args.vocab, input_dim=args.vocab)
     prompt = jax.random.randint(jax.random.key(1), (batch, context), 0, args.vocab)
-    params = model.init(jax.random.key(0), prompt[:, :8])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), prompt[:, :8])["params"]  # one program, not one a primitive
     state = initial_state(model, batch, context + args.decode)
     start = time.perf_counter()
     logits, state = prefill(model, params, prompt, state)
@@ -70,7 +70,7 @@ def measure(cell: str, batch: int, context: int, args) -> dict:
     seconds = statistics.median(times)
     return {"cell": cell, "batch": batch, "context": context, "decode_steps": args.decode,
             "decode_tokens_per_sec": round(batch * args.decode / seconds), "ms_per_token_step": round(1e3 * seconds / args.decode, 3),
-            "state_bytes_per_sequence": state_bytes(initial_state(model, 1, context + args.decode)),
+            "state_bytes_per_sequence": state_bytes(jax.eval_shape(lambda: initial_state(model, 1, context + args.decode))),
             "prefill_seconds": round(prefill_seconds, 2), "platform": jax.devices()[0].platform}
 
 

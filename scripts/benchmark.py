@@ -236,7 +236,7 @@ class FlaxStep:
 
         inputs, targets = jnp.asarray(batch.inputs), jnp.asarray(batch.targets)
         model = Model()
-        params = model.init(jax.random.key(0), inputs)
+        params = jax.jit(model.init)(jax.random.key(0), inputs)
         tx = optax.adam(LR)
 
         def step(params, opt_state):

@@ -55,6 +55,10 @@ from rnnlab.cpu import set_cpu_xla_flags  # noqa: E402
 # whichever test happens to start JAX first.
 set_cpu_xla_flags()
 
+import shared_programs  # noqa: E402
+
+shared_programs.install()  # one XLA executable per distinct program in this process (tests/shared_programs.py)
+
 CONF_DIR = str(ROOT / "conf")
 
 def pytest_addoption(parser):
