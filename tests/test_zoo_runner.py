@@ -147,6 +147,32 @@ def test_sigterm_to_the_runner_stops_its_jobs_as_a_deadline_does(tmp_path, code,
     assert stopped == ["preempted", "preempted"]
 
 
+def test_a_runner_that_fails_stops_its_jobs_and_restores_the_signal_handlers(tmp_path, code, monkeypatch):
+    """An error in the runner's loop (here: its third plan) leaves no job running unseen and the caller's
+    handlers in place: the jobs get SIGTERM, save and end preempted, and the error reaches the caller."""
+    import signal
+
+    monkeypatch.setenv("FAKE_SECONDS", "30")
+    plans, make_plan = [], runner.make_plan
+
+    def failing_plan(*args, **kwargs):
+        plans.append(1)
+        if len(plans) == 3:  # the status line's, the first round's (which starts the jobs), then this
+            raise RuntimeError("planted")
+        return make_plan(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "make_plan", failing_plan)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="planted"):
+        run_once(tmp_path, code, tiny_table(("gru",)))
+    assert signal.getsignal(signal.SIGTERM) is before
+    deadline = time.time() + 20
+    results = lambda: [p for p in (tmp_path / "out" / "tiny").glob("*/*/results.json")]  # noqa: E731
+    while time.time() < deadline and len(results()) < 2:
+        time.sleep(0.2)
+    assert sorted(json.loads(p.read_text())["status"] for p in results()) == ["preempted", "preempted"]
+
+
 def test_the_population_executor_runs_a_settings_grid_then_its_seeds_as_one_program_each(tmp_path):
     table = tiny_table(("gru",))
     job = runner.Job(table, table.settings[0], 1e-3, 0)

@@ -358,39 +358,46 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     stopped = False
     signalled: list[int] = []
     previous = _on_stop_signals(signalled.append)
-    status()
-    while True:
-        for unit in [u for u in running if u.proc.poll() is not None]:
-            finish(unit)
-        if time.time() >= deadline or signalled:
-            stopped = True
-            break
-        plan = make_plan(ledger, tables, attempted)
-        if not plan.todo_now and not running:
-            break
-        for unit in executor.units(plan.todo_now)[:max(parallel - len(running), 0)]:
-            executor.start(unit)
-            running.append(unit)
-            attempted.update(j.name for j in unit.jobs)
-        time.sleep(1.0)
-    if stopped and running:
-        why = signal.Signals(signalled[0]).name if signalled else "deadline"
-        say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
-            "at the next run)")
+    try:
+        status()
+        while True:
+            for unit in [u for u in running if u.proc.poll() is not None]:
+                finish(unit)
+            if time.time() >= deadline or signalled:
+                stopped = True
+                break
+            plan = make_plan(ledger, tables, attempted)
+            if not plan.todo_now and not running:
+                break
+            for unit in executor.units(plan.todo_now)[:max(parallel - len(running), 0)]:
+                executor.start(unit)
+                running.append(unit)
+                attempted.update(j.name for j in unit.jobs)
+            time.sleep(1.0)
+        if stopped and running:
+            why = signal.Signals(signalled[0]).name if signalled else "deadline"
+            say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
+                "at the next run)")
+            for unit in running:
+                with _suppress():
+                    unit.proc.send_signal(signal.SIGTERM)
+            until = time.time() + grace
+            while running and time.time() < until:
+                for unit in [u for u in running if u.proc.poll() is not None]:
+                    finish(unit)
+                time.sleep(0.5)
+            for unit in list(running):
+                with _suppress():
+                    os.killpg(unit.proc.pid, signal.SIGKILL)
+                unit.proc.wait()
+                finish(unit)
+    except BaseException:  # a runner that fails leaves no job running unseen: each saves, the next run resumes it
         for unit in running:
             with _suppress():
                 unit.proc.send_signal(signal.SIGTERM)
-        until = time.time() + grace
-        while running and time.time() < until:
-            for unit in [u for u in running if u.proc.poll() is not None]:
-                finish(unit)
-            time.sleep(0.5)
-        for unit in list(running):
-            with _suppress():
-                os.killpg(unit.proc.pid, signal.SIGKILL)
-            unit.proc.wait()
-            finish(unit)
-    _restore_signals(previous)
+        raise
+    finally:
+        _restore_signals(previous)
     plan = make_plan(ledger, tables)
     if plan.todo_now or plan.later:
         return 75 if stopped else 1
