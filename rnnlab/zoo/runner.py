@@ -378,9 +378,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
             why = signal.Signals(signalled[0]).name if signalled else "deadline"
             say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
                 "at the next run)")
-            for unit in running:
-                with _suppress():
-                    unit.proc.send_signal(signal.SIGTERM)
+            _terminate(running)
             until = time.time() + grace
             while running and time.time() < until:
                 for unit in [u for u in running if u.proc.poll() is not None]:
@@ -392,9 +390,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
                 unit.proc.wait()
                 finish(unit)
     except BaseException:  # a runner that fails leaves no job running unseen: each saves, the next run resumes it
-        for unit in running:
-            with _suppress():
-                unit.proc.send_signal(signal.SIGTERM)
+        _terminate(running)
         raise
     finally:
         _restore_signals(previous)
@@ -402,6 +398,13 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     if plan.todo_now or plan.later:
         return 75 if stopped else 1
     return 0
+
+
+def _terminate(units: Sequence[Unit]) -> None:
+    """SIGTERM to each unit's job: it saves, ends preempted, and the next run resumes it."""
+    for unit in units:
+        with _suppress():
+            unit.proc.send_signal(signal.SIGTERM)
 
 
 def _on_stop_signals(handler: Callable[[int], None]) -> dict[int, Any]:
