@@ -197,8 +197,9 @@ class PreemptionGuard:
     """Turns SIGTERM and a first SIGINT into a flag the training loop polls between steps, and an evaluation
     between its lengths and between the chunks of a length run in segments (`steps.SegmentedEval`).
 
-    A second SIGINT raises KeyboardInterrupt at once. Outside the main thread signal
-    handlers cannot be installed, and the guard is inert.
+    A second SIGINT raises KeyboardInterrupt at once (two that arrive before Python runs the handler count as one:
+    CPython keeps one pending flag per signal). Outside the main thread signal handlers cannot be installed, and the
+    guard is inert.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
