@@ -39,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
-from rnnlab.config import ConfigError, from_omegaconf
+from rnnlab.config import Config, ConfigError, from_omegaconf
 from rnnlab.metrics import JobFailed, write_failure
 from rnnlab.rundir import RunDirBusy
 from rnnlab.sweep_status import SWEPT_KEYS_ENV, SweepRefused, job_output_to, varied_overrides
@@ -364,21 +364,27 @@ def config_exit(overrides: list[str]) -> tuple[int, str]:
     """(exit code, stderr line) that `python train.py OVERRIDES` gets from its config, in process and
     before JAX starts: (0, "") for a config that passes, (2, the line) for bad input. The fuzzer
     (tests/test_fuzz_config.py) calls it to check thousands of command lines in seconds."""
+    code, line, _ = checked_config(overrides)
+    return code, line
+
+
+def checked_config(overrides: list[str]) -> tuple[int, str, Config | None]:
+    """`config_exit`'s (exit code, stderr line) and the validated Config when it passes (None otherwise)."""
     from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
-            from_omegaconf(compose(config_name="config", overrides=list(overrides)))
+            config = from_omegaconf(compose(config_name="config", overrides=list(overrides)))
     except HydraException as e:
-        return EXIT_BAD_INPUT, hydra_error_line(e, list(overrides))
+        return EXIT_BAD_INPUT, hydra_error_line(e, list(overrides)), None
     except ConfigError as e:
-        return EXIT_BAD_INPUT, str(e)
+        return EXIT_BAD_INPUT, str(e), None
     except COMPOSITION_ERRORS as e:
         line = composition_error_line(e, list(overrides))
         if line is None:
             raise
-        return EXIT_BAD_INPUT, line
-    return 0, ""
+        return EXIT_BAD_INPUT, line, None
+    return 0, "", config
 
 
 def run_cli() -> None:

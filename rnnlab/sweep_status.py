@@ -73,11 +73,16 @@ def seconds_left(durations: Sequence[float], left: int, running_for: Sequence[fl
     if not durations:
         return None
     mean = sum(durations) / len(durations)
-    slots = [max(mean - t, 0.0) for t in running_for]
-    slots += [0.0] * max(workers - len(slots), 0)
+    return schedule_seconds([max(mean - t, 0.0) for t in running_for], [mean] * left, workers)
+
+
+def schedule_seconds(running_left: Sequence[float], queued: Sequence[float], workers: int) -> float:
+    """When the last job should end: jobs of `queued` seconds each started in order on the first free of `workers`
+    slots, behind running jobs with `running_left` seconds to go."""
+    slots = list(running_left) + [0.0] * max(workers - len(running_left), 0)
     heapq.heapify(slots)
-    for _ in range(left):
-        heapq.heapreplace(slots, slots[0] + mean)
+    for seconds in queued:
+        heapq.heapreplace(slots, slots[0] + seconds)
     return max(slots, default=0.0)
 
 

@@ -340,18 +340,16 @@ def boundaries():
 _INIT_PROBLEMS = {}
 
 
-def init_problem(overrides):
-    """Why the model of an accepted config does not initialise, or None: built and initialised by shape
-    (`jax.eval_shape`, nothing allocated) on one example, so that a value the checks let through but the
-    model cannot take fails here rather than in a user's run after its compile. Built as for a GPU: the
-    recurrence resolves to XLA's, so no oneDNN kernel is built."""
+def init_problem(config, overrides):
+    """Why the model of an accepted config (composed from `overrides`) does not initialise, or None: built and
+    initialised by shape (`jax.eval_shape`, nothing allocated) on one example, so that a value the checks let
+    through but the model cannot take fails here rather than in a user's run after its compile. Built as for a
+    GPU: the recurrence resolves to XLA's, so no oneDNN kernel is built."""
     import jax
 
-    from conftest import compose_config
     from rnnlab import tasks
     from rnnlab.models import build_model
 
-    config = compose_config(overrides)
     task = tasks.make_task(config.data)
     shape = (config.model, task.input_spec(1), task.output_dim)
     if shape not in _INIT_PROBLEMS:
@@ -375,13 +373,13 @@ def violation(draw):
     """What is wrong with how the config takes a boundary draw, or None: a value outside its declaration
     must exit 2 with a line naming its key; one inside must pass (and, for a key that shapes the model,
     initialise), or be refused by a check across keys (a line naming another key)."""
-    code, message = train.config_exit(list(draw.overrides))
+    code, message, config = train.checked_config(list(draw.overrides))
     if not draw.inside:
         if code == 2 and f"'{draw.key}'" in message:
             return None
         return f"{list(draw.overrides)}: outside the declaration of {draw.key}, but exit {code}: {message!r}"
     if code == 0:
-        return init_problem(draw.overrides) if draw.key.startswith(SHAPING_KEYS) else None
+        return init_problem(config, draw.overrides) if draw.key.startswith(SHAPING_KEYS) else None
     named = re.match(r"keys? '([^']+)'", message)
     if code != 2 or "\n" in message or not named or (named[1] == draw.key and draw.key not in REFUSED_ACROSS_KEYS):
         return f"{list(draw.overrides)}: inside the declaration of {draw.key}, but exit {code}: {message!r}"
@@ -456,7 +454,9 @@ def test_the_boundary_draws_catch_a_missing_divisor_check(monkeypatch):
     monkeypatch.setattr(options.Allowed, "problem", lambda rule, key, value, owner=None: checked(rule, key, value))
     found = [draw for draw in boundaries() if draw.overrides[0] == "model=attention" and violation(draw)]
     assert {draw.key for draw in found} == {"model.num_heads"}
-    assert init_problem(("model=attention", "model.num_heads=3"))
+    overrides = ("model=attention", "model.num_heads=3")
+    code, _, config = train.checked_config(list(overrides))
+    assert code == 0 and init_problem(config, overrides)
 
 
 @pytest.mark.slow

@@ -113,6 +113,24 @@ def test_records_of_another_commit_or_device_do_not_count(tmp_path, code):
     assert runner.make_plan(ledger, [table]).done == []
 
 
+def test_the_time_left_is_predicted_from_the_records_own_times_as_the_plan_predicts(tmp_path, code):
+    """Before any job of this call has finished, the status line predicts from the records on this kind of
+    machine: rnn's grid took 100 s a job, so its 2 seeds and gru's 3 + 2 jobs (no record of gru: the table's
+    median) take 700 s on one slot, and 400 s on two (gru's grid beside rnn's seeds, then gru's seeds)."""
+    table = tiny_table()
+    results = {"status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.5}, "wall_seconds": 100.0,
+               "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}
+    records.merge(tmp_path / "docs", table, [records.record_from_results(table, table.settings[0], lr, 0, results, "x")
+                                             for lr in table.lrs])
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    plan = runner.make_plan(ledger, [table])
+    for parallel, expected in ((1, 700.0), (2, 400.0)):
+        assert runner.seconds_to_go(ledger, [table], plan, runner.Executor(code, tmp_path / "out", [], pin=False), [],
+                                    parallel, []) == expected
+    exit_code, lines = run_once(tmp_path, code, table, parallel=1)
+    assert exit_code == 0 and lines[0] == "[3/10] 0 running, 7 left, 0 failed, about 12 min left"
+
+
 def test_a_deadline_stops_jobs_with_sigterm_and_the_next_run_resumes(tmp_path, code, monkeypatch):
     monkeypatch.setenv("FAKE_SECONDS", "30")
     table = tiny_table(("gru",))

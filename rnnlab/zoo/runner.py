@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from rnnlab.sweep_status import duration, seconds_left, status_line
+from rnnlab.sweep_status import duration, schedule_seconds, status_line
 from rnnlab.zoo import records
 from rnnlab.zoo.protocol import Setting, Table, choose_lr, job_dirname, lr_text
 
@@ -329,8 +329,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     def status() -> None:
         plan = make_plan(ledger, tables, [j.name for u in running for j in u.jobs])
         total_now = total - sum(t.seeds - 1 for t, _ in plan.no_lr)
-        left = len(plan.todo_now) + plan.later
-        seconds = seconds_left(finished_here, left, [time.time() - u.started for u in running], parallel)
+        seconds = seconds_to_go(ledger, tables, plan, executor, running, parallel, finished_here)
         say(status_line(len(plan.done), total_now, sum(len(u.jobs) for u in running), failed, seconds,
                         time.time() - start) + (f" ({incomplete} stopped, to resume)" if incomplete else ""))
 
@@ -398,6 +397,28 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     if plan.todo_now or plan.later:
         return 75 if stopped else 1
     return 0
+
+
+def seconds_to_go(ledger: Ledger, tables: Sequence[Table], plan: Plan, executor: Executor, running: Sequence[Unit],
+                  parallel: int, finished_here: Sequence[float]) -> float | None:
+    """When the last unit should end, as `print_plan` predicts a job (`job_seconds`: the records' own times on this
+    kind of machine; where none tells, the mean of the jobs finished in this call): the running units' rest, then
+    the ready jobs and the seeds of each setting whose grid is not done, as the executor groups them, on `parallel`
+    slots. A unit takes its slowest job's time. None while some unit has no time to go by."""
+    predict = job_seconds(ledger, tables)
+    fallback = statistics.mean(finished_here) if finished_here else None
+
+    def unit_seconds(jobs: Sequence[Job]) -> float | None:
+        times = [predict(job) or fallback for job in jobs]
+        return None if None in times else max(times)
+
+    later = [job for table in tables for setting in table.settings if not chosen_lr(ledger, table, setting)[0]
+             for job in seed_jobs(table, setting, table.lrs[0])]
+    queued = [unit_seconds(u.jobs) for u in executor.units(plan.todo_now) + executor.units(later)]
+    now, in_flight = time.time(), [unit_seconds(u.jobs) for u in running]
+    if None in queued or None in in_flight:
+        return None
+    return schedule_seconds([max(s - (now - u.started), 0.0) for s, u in zip(in_flight, running)], queued, parallel)
 
 
 def _terminate(units: Sequence[Unit]) -> None:
