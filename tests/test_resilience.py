@@ -6,6 +6,7 @@ would start and stop it. Interrupted runs must end bit-identical to an uninterru
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,11 +55,25 @@ def logged_steps(run_dir, tag="train/loss"):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The final state of the same run, never interrupted."""
+def reference_run(tmp_path_factory):
+    """The run dir of the same run, never interrupted (a test that changes it works on a copy)."""
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     rerun(run_dir)
-    return saved_state(run_dir, STEPS)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """Its final state."""
+    return saved_state(reference_run, STEPS)
+
+
+@pytest.fixture(scope="module")
+def five_step_run(tmp_path_factory):
+    """A completed 5-step run dir (a test that changes it works on a copy)."""
+    run_dir = tmp_path_factory.mktemp("five_steps") / "run"
+    rerun(run_dir, "steps=5")
+    return run_dir
 
 
 def test_sigterm_at_a_random_step_then_rerun_is_bit_identical(tmp_path, reference):
@@ -102,9 +117,9 @@ def test_sigkill_at_random_moments_even_mid_save_then_rerun_is_bit_identical(tmp
     assert logged_steps(run_dir) == list(range(5, STEPS + 1, 5))
 
 
-def test_corrupt_newest_checkpoint_falls_back_and_says_so(tmp_path, reference):
+def test_corrupt_newest_checkpoint_falls_back_and_says_so(tmp_path, reference_run, reference):
     run_dir = tmp_path / "run"
-    rerun(run_dir)  # complete: checkpoints 50, 55, 60 (keep=3)
+    shutil.copytree(reference_run, run_dir)  # complete: checkpoints 50, 55, 60 (keep=3)
     newest = run_dir / "checkpoints" / str(STEPS)
     for f in newest.rglob("*"):
         if f.is_file():
@@ -139,17 +154,17 @@ def test_absurd_learning_rate_stops_with_the_step_named(tmp_path):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()]
 
 
-def test_resuming_with_another_model_shape_names_the_key(tmp_path):
+def test_resuming_with_another_model_shape_names_the_key(tmp_path, five_step_run):
     run_dir = tmp_path / "run"
-    rerun(run_dir, "steps=5")
+    shutil.copytree(five_step_run, run_dir)
     proc = run_train([*RUN, "steps=10", "hidden_dim=16", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "key 'model.hidden_dim': this run dir was trained with 8, now 16" in proc.stderr
 
 
-def test_resume_false_refuses_to_overwrite(tmp_path):
+def test_resume_false_refuses_to_overwrite(tmp_path, five_step_run):
     run_dir = tmp_path / "run"
-    rerun(run_dir, "steps=5")
+    shutil.copytree(five_step_run, run_dir)
     proc = run_train([*RUN, "checkpoint.resume=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert proc.returncode == 2 and "'checkpoint.resume'" in proc.stderr
     assert saved_state(run_dir, 5)["step"] == 5

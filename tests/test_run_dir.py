@@ -3,6 +3,7 @@ lost or damaged run_config.json, runs that cannot fit. Each case ends in seconds
 documented exit code and one line, and nothing already written is lost."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -127,11 +128,26 @@ def test_disk_full_mid_run_writes_results_then_the_rerun_resumes(tmp_path):
     assert json.loads((run_dir / "results.json").read_text())["status"] == "completed"
 
 
+@pytest.fixture(scope="module")
+def completed(tmp_path_factory):
+    """`completed(run_dir, *extra)` puts a copy of a completed run of `extra` at `run_dir`: each run is trained once a
+    module, and each test changes its own copy."""
+    trained = {}
+
+    def copy_to(run_dir, *extra):
+        if extra not in trained:
+            trained[extra] = tmp_path_factory.mktemp("completed") / "run"
+            assert train(trained[extra], *extra).returncode == 0
+        shutil.copytree(trained[extra], run_dir)
+
+    return copy_to
+
+
 # 3. Resume changes are explicit.
 
-def test_a_resume_that_changes_the_trajectory_lists_each_change_and_stops(tmp_path):
+def test_a_resume_that_changes_the_trajectory_lists_each_change_and_stops(tmp_path, completed):
     run_dir = tmp_path / "run"
-    assert train(run_dir).returncode == 0
+    completed(run_dir)
     before = saved_state(run_dir, 12)
     proc = train(run_dir, "steps=18", "optimizer.lr=0.001", "seed=3")
     assert proc.returncode == 2
@@ -146,9 +162,9 @@ def test_a_resume_that_changes_the_trajectory_lists_each_change_and_stops(tmp_pa
     assert_same_tree(saved_state(run_dir, 12), before)
 
 
-def test_accepted_changes_are_recorded_with_their_step_and_free_keys_pass(tmp_path):
+def test_accepted_changes_are_recorded_with_their_step_and_free_keys_pass(tmp_path, completed):
     run_dir = tmp_path / "run"
-    assert train(run_dir).returncode == 0
+    completed(run_dir)
     proc = train(run_dir, "steps=18", "checkpoint.allow_changes=[steps]", "log_every=3", "eval_batches=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     history = [{"step": 12, "changes": {"steps": [12, 18]}}]
@@ -161,9 +177,9 @@ def test_accepted_changes_are_recorded_with_their_step_and_free_keys_pass(tmp_pa
 # 5. The config travels with the checkpoint.
 
 @pytest.mark.parametrize("damage", ["delete", "garbage{"])
-def test_a_lost_or_damaged_run_config_is_rewritten_from_the_checkpoint(tmp_path, damage):
+def test_a_lost_or_damaged_run_config_is_rewritten_from_the_checkpoint(tmp_path, damage, completed):
     run_dir = tmp_path / "run"
-    assert train(run_dir, "device.num_devices=2").returncode == 0
+    completed(run_dir, "device.num_devices=2")
     path = run_dir / "checkpoints" / "run_config.json"
     original = json.loads(path.read_text())
     path.unlink() if damage == "delete" else path.write_text(damage)
