@@ -152,6 +152,13 @@ def seed_jobs(table: Table, setting: Setting, lr: float) -> list[Job]:
     return [Job(table, setting, lr, seed) for seed in range(1, table.seeds)]
 
 
+def seeds_waiting(ledger: Ledger, tables: Sequence[Table]) -> list[Job]:
+    """The seed jobs of each setting whose grid is not done yet, at its first lr (their lr is not chosen yet): what a
+    prediction counts beside the ready jobs."""
+    return [job for table in tables for setting in table.settings if not chosen_lr(ledger, table, setting)[0]
+            for job in seed_jobs(table, setting, table.lrs[0])]
+
+
 @dataclasses.dataclass
 class Plan:
     """Each setting's jobs as far as they can be known: the grid, then the chosen lr's seeds (None: not yet)."""
@@ -223,8 +230,7 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
         say(f"  {table.key}: {len(table.settings)} settings x ({len(table.lrs)} lrs + {table.seeds - 1} seeds) = "
             f"{jobs} jobs, {len(mine)} recorded, {table.steps} steps each")
     left = [predict(j) for j in plan.todo_now]
-    later_seconds = [predict(Job(t, s, t.lrs[0], 1)) for t in tables for s in t.settings
-                     if not chosen_lr(ledger, t, s)[0] for _ in range(t.seeds - 1)]
+    later_seconds = [predict(j) for j in seeds_waiting(ledger, tables)]
     known = [s for s in left + later_seconds if s is not None]
     unknown = len(left) + len(later_seconds) - len(known)
     say(f"{total} jobs: {len(plan.done)} recorded, {len(plan.todo_now)} ready, {plan.later} waiting on their grid"
@@ -412,9 +418,8 @@ def seconds_to_go(ledger: Ledger, tables: Sequence[Table], plan: Plan, executor:
         times = [predict(job) or fallback for job in jobs]
         return None if None in times else max(times)
 
-    later = [job for table in tables for setting in table.settings if not chosen_lr(ledger, table, setting)[0]
-             for job in seed_jobs(table, setting, table.lrs[0])]
-    queued = [unit_seconds(u.jobs) for u in executor.units(plan.todo_now) + executor.units(later)]
+    units = executor.units(plan.todo_now) + executor.units(seeds_waiting(ledger, tables))
+    queued = [unit_seconds(u.jobs) for u in units]
     now, in_flight = time.time(), [unit_seconds(u.jobs) for u in running]
     if None in queued or None in in_flight:
         return None
