@@ -146,6 +146,34 @@ def test_a_deadline_stops_jobs_with_sigterm_and_the_next_run_resumes(tmp_path, c
     assert len(records.read_table(tmp_path / "docs", "tiny")) == 5
 
 
+def test_before_a_deadline_only_jobs_predicted_to_end_in_time_start(tmp_path, code):
+    """Records of another commit on this kind of machine say an rnn job takes 1 s and a gru job 1,000 s: with a
+    minute to go, rnn's grid and seeds run, gru's jobs are left (nothing started is stopped), and the runner says so
+    and ends as a deadline does. A gru job stopped at step 3 of 6 is predicted at half its time from there (with the margin)."""
+    table = tiny_table()
+    for cell, seconds in (("rnn", 1.0), ("gru", 1000.0)):
+        setting = next(s for s in table.settings if s.cell == cell)
+        results = {"status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.5}, "wall_seconds": seconds,
+                   "provenance": {"commit": "f" * 40, "machine": {"platform": "cpu", "cpu": "Stand-in",
+                                                                  "cpu_cores": 2}}}
+        records.merge(tmp_path / "docs", table, [records.record_from_results(table, setting, lr, 0, results, "x")
+                                                 for lr in table.lrs])
+    exit_code, lines = run_once(tmp_path, code, table, deadline=time.time() + 60)
+    assert exit_code == 75
+    assert {j["model"] for j in starts(tmp_path)} == {"rnn"} and len(starts(tmp_path)) == 5
+    assert lines[-1].startswith("deadline in ") and "the 3 ready jobs are predicted to end after it" in lines[-1]
+    assert not any("stopping" in line for line in lines)
+
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    stopped = runner.Job(table, table.settings[1], 1e-3, 0)
+    stopped.run_dir(tmp_path / "out").mkdir(parents=True)
+    (stopped.run_dir(tmp_path / "out") / "results.json").write_text(json.dumps({"status": "preempted", "step": 3}))
+    assert runner.seconds_from_here(ledger, stopped, 1000.0) == 500.0
+    units = [runner.Unit([stopped])]
+    assert runner.split_by_deadline(ledger, [table], units, 500.0 * runner.DEADLINE_MARGIN) == (units, [])
+    assert runner.split_by_deadline(ledger, [table], units, 499.0 * runner.DEADLINE_MARGIN) == ([], units)
+
+
 def test_sigterm_to_the_runner_stops_its_jobs_as_a_deadline_does(tmp_path, code, monkeypatch):
     """A runner killed politely (a scheduler's SIGTERM, Ctrl-C) leaves no job running unseen: they save, and the
     next run resumes them."""

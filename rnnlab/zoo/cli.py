@@ -83,7 +83,7 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
                          epilog=EPILOG_OVERRIDES)
     common(run)
     running(run)
-    run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h)")
+    run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h); a job starts only if the records predict it ends by then")
     run.add_argument("--grace", type=duration_seconds, default=60.0, help="seconds between SIGTERM and SIGKILL (60)")
     collect = sub.add_parser("collect", help="run dirs -> docs/zoo/records/<table>.jsonl")
     common(collect, suite=False)

@@ -7,15 +7,17 @@ seed 0 first; once the grid is done the protocol's rule (`protocol.choose_lr`) p
 seeds go to the front of the queue. The code runs from a git worktree of the pinned commit (`<out>/worktrees/`),
 never from the checkout being edited. Two executors: `processes` (one train.py per job, `--parallel` side by side:
 one per core, or several sharing a GPU) and `population` (hydra/launcher=population: a setting's grid as one
-program, then its seeds as one program). At `--deadline`, or on SIGTERM or Ctrl-C to the runner, nothing new starts
-and running jobs get SIGTERM (they save and end `preempted`; the next `run` resumes them), then SIGKILL after
-`--grace` seconds.
+program, then its seeds as one program). Before `--deadline` a job starts only if the records predict that it ends
+in time (a job stopped there resumes on this machine alone, and the next session may run on another); at the
+deadline, or on SIGTERM or Ctrl-C to the runner, nothing new starts and running jobs get SIGTERM (they save and
+end `preempted`; the next `run` resumes them), then SIGKILL after `--grace` seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import signal
 import statistics
@@ -219,6 +221,15 @@ def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], floa
     return predict
 
 
+def seconds_from_here(ledger: Ledger, job: Job, seconds: float | None) -> float | None:
+    """A job's predicted time less the part its run dir already trained (a stopped job resumes there)."""
+    if seconds is None:
+        return None
+    step = records.results_of(job.run_dir(ledger.out)).get("step")
+    done = min(step / job.table.steps, 1.0) if isinstance(step, int) and job.table.steps else 0.0
+    return seconds * (1.0 - done)
+
+
 def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Callable[[str], None] = print) -> Plan:
     plan = make_plan(ledger, tables)
     predict = job_seconds(ledger, tables)
@@ -374,10 +385,18 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
             plan = make_plan(ledger, tables, attempted)
             if not plan.todo_now and not running:
                 break
-            for unit in executor.units(plan.todo_now)[:max(parallel - len(running), 0)]:
-                executor.start(unit)
-                running.append(unit)
-                attempted.update(j.name for j in unit.jobs)
+            free = max(parallel - len(running), 0)
+            if free and plan.todo_now:
+                in_time, late = split_by_deadline(ledger, tables, executor.units(plan.todo_now), deadline - time.time())
+                for unit in in_time[:free]:
+                    executor.start(unit)
+                    running.append(unit)
+                    attempted.update(j.name for j in unit.jobs)
+                if late and not in_time and not running:
+                    say(f"deadline in {duration(deadline - time.time())}: the {sum(len(u.jobs) for u in late)} ready "
+                        "jobs are predicted to end after it; the next run starts them")
+                    stopped = True
+                    break
             time.sleep(1.0)
         if stopped and running:
             why = signal.Signals(signalled[0]).name if signalled else "deadline"
@@ -405,6 +424,26 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     return 0
 
 
+# Before a deadline a job starts only if this times its predicted time is left: in the zoo's records most jobs
+# take under 1.25 times their cell's median.
+DEADLINE_MARGIN = 1.25
+
+
+def split_by_deadline(ledger: Ledger, tables: Sequence[Table], units: Sequence[Unit], seconds_left: float
+                      ) -> tuple[list[Unit], list[Unit]]:
+    """(the units predicted to end before the deadline, those predicted to end after it). A unit takes its slowest
+    job's time; one with no time to go by counts as ending in time (the deadline still stops it)."""
+    if math.isinf(seconds_left):
+        return list(units), []
+    predict = job_seconds(ledger, tables)
+    in_time, late = [], []
+    for unit in units:
+        times = [seconds_from_here(ledger, job, predict(job)) for job in unit.jobs]
+        ends_in_time = None in times or max(times) * DEADLINE_MARGIN <= seconds_left
+        (in_time if ends_in_time else late).append(unit)
+    return in_time, late
+
+
 def seconds_to_go(ledger: Ledger, tables: Sequence[Table], plan: Plan, executor: Executor, running: Sequence[Unit],
                   parallel: int, finished_here: Sequence[float]) -> float | None:
     """When the last unit should end, as `print_plan` predicts a job (`job_seconds`: the records' own times on this
@@ -415,7 +454,7 @@ def seconds_to_go(ledger: Ledger, tables: Sequence[Table], plan: Plan, executor:
     fallback = statistics.mean(finished_here) if finished_here else None
 
     def unit_seconds(jobs: Sequence[Job]) -> float | None:
-        times = [predict(job) or fallback for job in jobs]
+        times = [seconds_from_here(ledger, job, predict(job) or fallback) for job in jobs]
         return None if None in times else max(times)
 
     units = executor.units(plan.todo_now) + executor.units(seeds_waiting(ledger, tables))
