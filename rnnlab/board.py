@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import yaml
-import rnnlab.tbx  # noqa: F401  (first: tensorboardX without torch)
+import rnnlab.tbx  # noqa: F401  (first: tensorboardX without torch and boto3)
 from tensorboardX.proto.api_pb2 import Status
 from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
 from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata

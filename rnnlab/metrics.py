@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
-import rnnlab.tbx  # noqa: F401  (first: tensorboardX without torch)
+import rnnlab.tbx  # noqa: F401  (first: tensorboardX without torch and boto3)
 from tensorboardX import SummaryWriter
 from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.summary import hparams as hparams_summaries

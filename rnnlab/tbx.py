@@ -1,23 +1,28 @@
-"""tensorboardX, imported without torch: where torch is installed (the bench and refs extras) tensorboardX's
-writer imports it only to recognise torch tensors, which the lab never hands it, and that import is most of a
-run's start-up. Import this module before `tensorboardX` (rnnlab.board and rnnlab.metrics do)."""
+"""tensorboardX, imported without torch and boto3: where they are installed (torch by the bench and refs extras,
+boto3 by other tools), tensorboardX's writer imports torch only to recognise torch tensors and boto3 only for
+s3:// log dirs, neither of which the lab hands it, and those imports are a large part of a run's start-up.
+Import this module before `tensorboardX` (rnnlab.board and rnnlab.metrics do)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
+# Modules tensorboardX imports where installed and the lab never needs from it.
+UNUSED_BY_THE_LAB = ("torch", "boto3")
 
-def import_without_torch(name: str):
-    """`importlib.import_module(name)` with `import torch` failing meanwhile (tensorboardX catches the
-    ImportError); torch stays importable afterwards. Where torch is already imported, a plain import."""
-    if "torch" in sys.modules:
-        return importlib.import_module(name)
-    sys.modules["torch"] = None  # type: ignore[assignment]  # the import system's "not importable"
+
+def import_without(name: str, unused: tuple[str, ...] = UNUSED_BY_THE_LAB):
+    """`importlib.import_module(name)` with `import <each of unused>` failing meanwhile (tensorboardX catches the
+    ImportError); each stays importable afterwards. One already imported is left as it is."""
+    blocked = [module for module in unused if module not in sys.modules]
+    for module in blocked:
+        sys.modules[module] = None  # type: ignore[assignment]  # the import system's "not importable"
     try:
         return importlib.import_module(name)
     finally:
-        del sys.modules["torch"]
+        for module in blocked:
+            del sys.modules[module]
 
 
-tensorboardX = import_without_torch("tensorboardX")
+tensorboardX = import_without("tensorboardX")

@@ -78,18 +78,21 @@ def test_the_check_finds_a_lazy_circle(tmp_path):
     assert circles(import_graph(pkg)) == [["pkg.a", "pkg.b"]]
 
 
-def test_the_run_imports_tensorboardx_without_torch():
-    """train.py's imports leave torch out (tensorboardX's writer would import it where the bench or refs extra
-    installed it: most of a run's start-up), and torch still imports afterwards where it is installed."""
+def test_the_run_imports_tensorboardx_without_torch_or_boto3():
+    """train.py's imports leave torch and boto3 out (tensorboardX's writer would import them where installed: torch
+    by the bench or refs extra, most of a run's start-up), and each still imports afterwards where installed."""
     import subprocess
     import sys
 
     code = ("import importlib.util, sys\n"
             "import rnnlab.board, rnnlab.metrics, rnnlab.trainer\n"
             "from tensorboardX import SummaryWriter\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "assert 'torch' not in sys.modules and 'boto3' not in sys.modules, 'torch or boto3 imported'\n"
             "if importlib.util.find_spec('torch'):\n"
             "    import torch\n"
-            "    assert torch.zeros(2).sum().item() == 0\n")
+            "    assert torch.zeros(2).sum().item() == 0\n"
+            "if importlib.util.find_spec('boto3'):\n"
+            "    import boto3\n"
+            "    assert boto3.session\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
