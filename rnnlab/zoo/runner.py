@@ -230,6 +230,13 @@ def seconds_from_here(ledger: Ledger, job: Job, seconds: float | None) -> float 
     return seconds * (1.0 - done)
 
 
+def unit_seconds(ledger: Ledger, predict: Callable[[Job], float | None], jobs: Sequence[Job],
+                 fallback: float | None = None) -> float | None:
+    """What a unit of these jobs should take from here: its slowest job's time; None if some job has none."""
+    times = [seconds_from_here(ledger, job, predict(job) or fallback) for job in jobs]
+    return None if None in times else max(times)
+
+
 def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Callable[[str], None] = print) -> Plan:
     plan = make_plan(ledger, tables)
     predict = job_seconds(ledger, tables)
@@ -240,8 +247,8 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
         jobs = len(table.settings) * table.jobs_per_setting()
         say(f"  {table.key}: {len(table.settings)} settings x ({len(table.lrs)} lrs + {table.seeds - 1} seeds) = "
             f"{jobs} jobs, {len(mine)} recorded, {table.steps} steps each")
-    left = [predict(j) for j in plan.todo_now]
-    later_seconds = [predict(j) for j in seeds_waiting(ledger, tables)]
+    left = [unit_seconds(ledger, predict, [j]) for j in plan.todo_now]
+    later_seconds = [unit_seconds(ledger, predict, [j]) for j in seeds_waiting(ledger, tables)]
     known = [s for s in left + later_seconds if s is not None]
     unknown = len(left) + len(later_seconds) - len(known)
     say(f"{total} jobs: {len(plan.done)} recorded, {len(plan.todo_now)} ready, {plan.later} waiting on their grid"
@@ -438,8 +445,8 @@ def split_by_deadline(ledger: Ledger, tables: Sequence[Table], units: Sequence[U
     predict = job_seconds(ledger, tables)
     in_time, late = [], []
     for unit in units:
-        times = [seconds_from_here(ledger, job, predict(job)) for job in unit.jobs]
-        ends_in_time = None in times or max(times) * DEADLINE_MARGIN <= seconds_left
+        seconds = unit_seconds(ledger, predict, unit.jobs)
+        ends_in_time = seconds is None or seconds * DEADLINE_MARGIN <= seconds_left
         (in_time if ends_in_time else late).append(unit)
     return in_time, late
 
@@ -453,13 +460,9 @@ def seconds_to_go(ledger: Ledger, tables: Sequence[Table], plan: Plan, executor:
     predict = job_seconds(ledger, tables)
     fallback = statistics.mean(finished_here) if finished_here else None
 
-    def unit_seconds(jobs: Sequence[Job]) -> float | None:
-        times = [seconds_from_here(ledger, job, predict(job) or fallback) for job in jobs]
-        return None if None in times else max(times)
-
     units = executor.units(plan.todo_now) + executor.units(seeds_waiting(ledger, tables))
-    queued = [unit_seconds(u.jobs) for u in units]
-    now, in_flight = time.time(), [unit_seconds(u.jobs) for u in running]
+    queued = [unit_seconds(ledger, predict, u.jobs, fallback) for u in units]
+    now, in_flight = time.time(), [unit_seconds(ledger, predict, u.jobs, fallback) for u in running]
     if None in queued or None in in_flight:
         return None
     return schedule_seconds([max(s - (now - u.started), 0.0) for s, u in zip(in_flight, running)], queued, parallel)
