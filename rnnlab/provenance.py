@@ -77,11 +77,17 @@ def versions() -> dict[str, str | None]:
     return found
 
 
-def device_kind(record_machine: dict[str, Any]) -> str:
-    """A machine's kind as a table's header states it: the accelerator's kind, or `CPU (<model>, <n> cores)`."""
+def machine_name(record_machine: dict[str, Any]) -> str:
+    """A machine as a table names it: the accelerator's kind and count, or `CPU (<model>, <n> cores)`."""
     if record_machine.get("accelerator"):
         return f"{record_machine['accelerator']} x{record_machine.get('accelerator_count', 1)}"
     return f"CPU ({record_machine.get('cpu', '?')}, {record_machine.get('cpu_cores', '?')} cores)"
+
+
+def device_kind(record_machine: dict[str, Any]) -> str:
+    """The kind of device a table is built from: the accelerator's kind and count, or `CPU` for every CPU model (XLA
+    computes the same float32 programs on each; only the speed differs, and the page names each machine with it)."""
+    return machine_name(record_machine) if record_machine.get("accelerator") else "CPU"
 
 
 def provenance(devices: Sequence[Any], started_utc: str) -> dict[str, Any]:

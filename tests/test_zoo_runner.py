@@ -14,7 +14,8 @@ import pytest
 from rnnlab.zoo import cli, page, protocol, records, runner
 from rnnlab.zoo.protocol import Setting, Table, choose_lr
 
-KIND = "CPU (Stand-in, 2 cores)"
+KIND = "CPU"  # every CPU model is one kind of device
+MACHINE = "CPU (Stand-in, 2 cores)"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # Seed 0's score by (cell, lr): gru ties at 1e-3 and 3e-3 (the smaller wins); rnn diverges at 3e-3.
 SCORES = {("rnn", "0.001"): 0.6, ("rnn", "0.003"): None, ("rnn", "0.01"): 0.7,
@@ -58,7 +59,7 @@ def code(tmp_path):
 
 
 def run_once(tmp_path, code, table, deadline=float("inf"), executor_class=runner.Executor, parallel=2):
-    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
     lines = []
 
     def record(done):
@@ -103,14 +104,26 @@ def test_the_grid_runs_on_seed_0_then_the_seeds_at_the_chosen_lr_and_a_rerun_run
     assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 10
 
 
-def test_records_of_another_commit_or_device_do_not_count(tmp_path, code):
+def test_records_of_another_commit_or_device_do_not_count_but_another_cpu_model_does(tmp_path, code):
+    """A job done at the commit on another CPU model is done (a later session may get another machine); one of
+    another commit or on a GPU is not. Times are predicted from this machine's records first."""
     table = tiny_table(("gru",))
-    other = records.record_from_results(table, table.settings[0], 1e-3, 0, {
-        "status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.9},
-        "provenance": {"commit": "f" * 40, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}, "x")
-    records.merge(tmp_path / "docs", table, [other])
-    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
-    assert runner.make_plan(ledger, [table]).done == []
+
+    def record(lr, commit, machine, seconds=10.0):
+        return records.record_from_results(table, table.settings[0], lr, 0, {
+            "status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.9}, "wall_seconds": seconds,
+            "provenance": {"commit": commit, "machine": machine}}, "x")
+
+    stand_in = {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}
+    other_cpu = {"platform": "cpu", "cpu": "Another CPU", "cpu_cores": 4}
+    gpu = {"platform": "gpu", "cpu": "Stand-in", "cpu_cores": 2, "accelerator": "NVIDIA H200", "accelerator_count": 1}
+    records.merge(tmp_path / "docs", table, [record(1e-3, "f" * 40, stand_in), record(3e-3, COMMIT, gpu),
+                                             record(1e-2, COMMIT, other_cpu, seconds=50.0)])
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
+    assert [(j.lr, j.seed) for j in runner.make_plan(ledger, [table]).done] == [(1e-2, 0)]
+    assert [records.kind_of(r) for r in records.read_table(tmp_path / "docs", "tiny")] == ["CPU", "NVIDIA H200 x1", "CPU"]
+    predict = runner.job_seconds(ledger, [table])
+    assert predict(runner.Job(table, table.settings[0], 3e-3, 0)) == 10.0  # this machine's record, not the other's
 
 
 def test_the_time_left_is_predicted_from_the_records_own_times_as_the_plan_predicts(tmp_path, code):
@@ -122,7 +135,7 @@ def test_the_time_left_is_predicted_from_the_records_own_times_as_the_plan_predi
                "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}
     records.merge(tmp_path / "docs", table, [records.record_from_results(table, table.settings[0], lr, 0, results, "x")
                                              for lr in table.lrs])
-    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
     plan = runner.make_plan(ledger, [table])
     for parallel, expected in ((1, 700.0), (2, 400.0)):
         assert runner.seconds_to_go(ledger, [table], plan, runner.Executor(code, tmp_path / "out", [], pin=False), [],
@@ -164,7 +177,7 @@ def test_before_a_deadline_only_jobs_predicted_to_end_in_time_start(tmp_path, co
     assert lines[-1].startswith("deadline in ") and "the 3 ready jobs are predicted to end after it" in lines[-1]
     assert not any("stopping" in line for line in lines)
 
-    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND)
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
     stopped = runner.Job(table, table.settings[1], 1e-3, 0)
     stopped.run_dir(tmp_path / "out").mkdir(parents=True)
     (stopped.run_dir(tmp_path / "out") / "results.json").write_text(json.dumps({"status": "preempted", "step": 3}))
@@ -246,6 +259,21 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
     rnn = next(line for line in first.splitlines() if line.startswith("| rnn |") and "±" in line)
     assert "0.6 / diverged / **0.7**" in rnn
     assert "| rnn | ✓ |" in first  # the coverage matrix
+
+    # gru's seeds 1 and 2 ran on another CPU model (a later session's machine): the table keeps them, names both
+    # machines in its header, and each row's tokens/s says on which it was measured.
+    path = records.records_dir(docs) / "tiny.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in lines:
+        if r["setting"] == "gru" and r["seed"] > 0:
+            r["provenance"]["machine"] = {"platform": "cpu", "cpu": "Other", "cpu_cores": 4}
+            r["tokens_per_sec"] = 300.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    mixed = page.build(docs, {"tiny": table})[0]
+    assert (f"Commit `{COMMIT[:12]}` on CPU (A: CPU (Stand-in, 2 cores), 8 jobs; B: CPU (Other, 4 cores), 2 jobs)"
+            in mixed and "2 of 2 settings under the protocol" in mixed)
+    assert "| 300 (B) |" in next(line for line in mixed.splitlines() if line.startswith("| gru |") and "±" in line)
+    assert "| 100 (A) |" in next(line for line in mixed.splitlines() if line.startswith("| rnn |") and "±" in line)
 
 
 def test_the_cli_refuses_bad_input_in_one_line(capsys):

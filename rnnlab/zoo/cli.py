@@ -141,10 +141,10 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
             raise ZooError(f"--executor population: {', '.join(alone)} trains on text streams, which the population "
                            f"launcher does not carry; allowed: --executor processes for it")
         root = runner.repo_root()
-        kind = runner.machine_kind()
+        kind, name = runner.this_machine()
         commit = pinned_commit(root, args.docs, chosen, kind, args.commit)
         code = runner.worktree(root, commit, args.out)
-        ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind)
+        ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind, name)
         cpu = kind.startswith("CPU")
         parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
         if args.command == "plan":
@@ -193,7 +193,7 @@ def collect(out: Path, docs: Path, tables: Sequence[Table]) -> int:
 def probe(code: Path, tables: Sequence[Table], out: Path, ledger: runner.Ledger) -> None:
     """One short job per table with no record on this machine, recorded as a planning hint (not a result)."""
     for table in tables:
-        if any(records.kind_of(r) == ledger.kind for r in records.read_table(ledger.docs, table.key)):
+        if any(records.machine_of(r) == ledger.machine for r in records.read_table(ledger.docs, table.key)):
             continue
         seconds = runner.probe_seconds(code, table, out)
         print(f"probe {table.key}: about {seconds:.0f} s a job ({table.settings[0].name}, {table.steps} steps)")

@@ -140,7 +140,28 @@ def cell_text(row: Row, table: Table, n: int | str, metric: str | None = None) -
     return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "") if mean is not None else "-"
 
 
-def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False) -> list[str]:
+def machine_letters(recs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
+    """A letter for each machine of a table's records, the one with the most jobs first (where there are several)."""
+    counts = collections.Counter(records.machine_of(r) for r in recs)
+    ordered = sorted(counts, key=lambda m: (-counts[m], m))
+    return {m: chr(ord("A") + i) for i, m in enumerate(ordered)} if len(ordered) > 1 else {}
+
+
+def rate_text(row: Row, letters: Mapping[str, str]) -> str:
+    """The row's tokens/s: the mean over its chosen jobs on one machine (its most used; named by its letter where the
+    table has several), since machines differ in speed."""
+    by_machine: dict[str, list[float]] = {}
+    for r in row.chosen:
+        if r.get("tokens_per_sec"):
+            by_machine.setdefault(records.machine_of(r), []).append(r["tokens_per_sec"])
+    if not by_machine:
+        return "-"
+    machine = min(by_machine, key=lambda m: (-len(by_machine[m]), letters.get(m, ""), m))
+    return f"{records.mean_and_spread(by_machine[machine])[0]:,.0f}" + (f" ({letters[machine]})" if letters else "")
+
+
+def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False,
+                   letters: Mapping[str, str] | None = None) -> list[str]:
     papers = table.key in ("parity", "s3")
     grid = " / ".join(lr_text(lr) for lr in table.lrs)
     head = ["setting", *(f"{metric}@{key}" + (" (train)" if key == str(table.train_len) else "")
@@ -149,16 +170,15 @@ def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool =
             "tokens/s", *(["machine", "date", "commit"] * provenance_columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for row in rows:
-        rates = [r.get("tokens_per_sec") for r in row.chosen if r.get("tokens_per_sec")]
         params = next((r.get("num_params") for r in row.chosen if r.get("num_params")), None)
         cells = [row.setting, *(cell_text(row, table, key, metric) for key, metric in table.columns),
                  lr_text(row.lr) if row.lr is not None else "every lr failed", str(len(row.chosen)),
                  grid_text(row, table), *([claim(table, row.setting)[0] or "-", verdict(row, table)] * papers),
-                 f"{params:,}" if params else "-", f"{records.mean_and_spread(rates)[0]:,.0f}" if rates else "-"]
+                 f"{params:,}" if params else "-", rate_text(row, letters or {})]
         if provenance_columns:
             every = list(row.grid.values()) + row.chosen
             prov = [(r.get("provenance") or {}) for r in every if r is not None]
-            cells += [", ".join(sorted({records.kind_of(r) for r in every if r is not None})),
+            cells += [", ".join(sorted({records.machine_of(r) for r in every if r is not None})),
                       ", ".join(sorted({p.get("date") or "not recorded" for p in prov})),
                       ", ".join(sorted({(p.get("commit") or "not recorded")[:12] for p in prov}))]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
@@ -251,7 +271,9 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
              "job scores nothing); the other seeds train at that lr. A row is the mean ± sd over every seed at the "
              "chosen lr at each evaluated length, with seed 0's training-length value at every lr of the grid beside "
              "it (the chosen one in bold). Each table is built from one commit on one kind of device, named in its "
-             "header; records of other commits or devices are counted there, not mixed in.", ""]
+             "header (every CPU model is one kind: XLA computes the same float32 programs on each; where a table's "
+             "jobs ran on several machines, the header names them and each row's tokens/s says on which); records "
+             "of other commits or devices are counted there, not mixed in.", ""]
     cell_tables = [t for t in tables.values() if t.cell_key == "model"]
     if cell_tables:
         lines += ["## Coverage", "", "Each cell's default setting in each table (or the one setting a table runs it with), at the table's "
@@ -264,13 +286,17 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
         rows, (commit, kind, mine, others) = built[table.key]
         done = [r for r in rows if r.complete]
         waiting = [r for r in rows if not r.complete and r.jobs()]
+        letters = machine_letters(mine)
+        where = (f"{kind} (" + "; ".join(f"{letter}: {m}, {sum(records.machine_of(r) == m for r in mine)} jobs"
+                                         for m, letter in letters.items()) + ")" if letters
+                 else records.machine_of(mine[0]))
         lines += [f"## {table.title}", "", table.about, "",
-                  f"Commit `{(commit or 'not recorded')[:12]}` on {kind}, {dates(mine)}: {len(done)} of "
+                  f"Commit `{(commit or 'not recorded')[:12]}` on {where}, {dates(mine)}: {len(done)} of "
                   f"{len(table.settings)} settings under the protocol, each at the lr its seed-0 grid chose on "
                   f"{table.metric}@{table.choose_key}; mean ± sd over {table.seeds} seeds at that lr."
                   + (f" ({others} record(s) of other commits or devices not shown.)" if others else ""), ""]
         if done:
-            lines += [*markdown_table(done, table), ""]
+            lines += [*markdown_table(done, table, letters=letters), ""]
             if any(r.lr is not None for r in done) and len(table.eval_lens) > 1:  # a metric against length
                 lines += [f"![{table.title}]({plot_name(table)})", ""]
                 plotted[table.key] = [r for r in done if r.lr is not None]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from rnnlab.files import read_json_object
-from rnnlab.provenance import device_kind
+from rnnlab.provenance import device_kind, machine_name
 from rnnlab.zoo.protocol import Setting, Table, same_lr
 
 FINAL = ("completed", "diverged", "failed")  # a job with one of these is not run again; others (preempted) resume
@@ -55,9 +55,18 @@ def commit_of(record: Mapping[str, Any]) -> str | None:
     return (record.get("provenance") or {}).get("commit")
 
 
-def kind_of(record: Mapping[str, Any]) -> str:
+def machine_of(record: Mapping[str, Any]) -> str:
+    """The machine a job ran on (an earlier run's record has only a description of it)."""
     machine = (record.get("provenance") or {}).get("machine") or {}
-    return machine.get("description") or device_kind(machine)
+    return machine.get("description") or machine_name(machine)
+
+
+def kind_of(record: Mapping[str, Any]) -> str:
+    """The kind of device a job ran on (`provenance.device_kind`): what a table may not mix."""
+    machine = (record.get("provenance") or {}).get("machine") or {}
+    if machine.get("description"):
+        return "CPU" if machine.get("platform") in ("cpu", None) else machine["description"]
+    return device_kind(machine)
 
 
 def key(record: Mapping[str, Any]) -> tuple:

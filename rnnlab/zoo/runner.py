@@ -90,25 +90,28 @@ def worktree(root: Path, commit: str, out: Path) -> Path:
     return path
 
 
-def machine_kind(python: str = sys.executable, code: Path | None = None) -> str:
-    """This machine's kind as records name it (`provenance.device_kind`), asked of JAX in a child process (so that
-    this one never holds an accelerator)."""
-    script = ("import jax; from rnnlab.provenance import machine, device_kind; "
-              "print(device_kind(machine(jax.devices())))")
+def this_machine(python: str = sys.executable, code: Path | None = None) -> tuple[str, str]:
+    """This machine's kind of device and its name as records give them (`provenance.device_kind`,
+    `machine_name`), asked of JAX in a child process (so that this one never holds an accelerator)."""
+    script = ("import jax, json; from rnnlab.provenance import machine, device_kind, machine_name; "
+              "m = machine(jax.devices()); print(json.dumps([device_kind(m), machine_name(m)]))")
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if code is not None:
         env["PYTHONPATH"] = str(code)
     done = subprocess.run([python, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     if done.returncode:
         raise ZooError(f"cannot start JAX to name this machine: {done.stderr.strip().splitlines()[-1:]}")
-    return done.stdout.strip().splitlines()[-1]
+    kind, name = json.loads(done.stdout.strip().splitlines()[-1])
+    return kind, name
 
 
 class Ledger:
     """What is known of each job: the committed records and the run dirs' results, at one commit and device kind."""
 
-    def __init__(self, tables: Sequence[Table], out: Path, docs: Path, commit: str | None, kind: str):
+    def __init__(self, tables: Sequence[Table], out: Path, docs: Path, commit: str | None, kind: str,
+                 machine: str | None = None):
         self.out, self.docs, self.commit, self.kind = Path(out), Path(docs), commit, kind
+        self.machine = machine  # this machine's name: its own records predict its times best
         self.committed = {t.key: [r for r in records.read_table(docs, t.key) if self._ours(r)] for t in tables}
         self._final: dict[str, dict[str, Any]] = {}
 
@@ -194,20 +197,23 @@ def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], floa
     record at all. A cell with no record yet is predicted from the cells that have one (an underestimate while
     only the fast ones have run: `plan --probe` times one job per table)."""
     by_cell: dict[tuple[str, str], list[float]] = {}
+    here: dict[tuple[str, str], list[float]] = {}  # the same, from this machine's own records
     per_step: list[float] = []
     for table in tables:
         for record in records.read_table(ledger.docs, table.key):
             seconds = record.get("wall_seconds")
             if record.get("status") == "completed" and seconds and records.kind_of(record) == ledger.kind:
                 by_cell.setdefault((table.key, record["setting"].split()[0]), []).append(seconds)
+                if records.machine_of(record) == ledger.machine:
+                    here.setdefault((table.key, record["setting"].split()[0]), []).append(seconds)
                 per_step.append(seconds / table.steps)
 
     steps = {t.key: t.steps for t in tables}
 
     def predict(job: Job) -> float | None:
-        """The cell's median in this table; else its median per step in the others, times this table's steps;
-        else the table's median; else the median per step of every record."""
-        cell = by_cell.get((job.table.key, job.setting.cell))
+        """The cell's median in this table on this machine, else on this kind; else its median per step in the
+        others, times this table's steps; else the table's median; else the median per step of every record."""
+        cell = here.get((job.table.key, job.setting.cell)) or by_cell.get((job.table.key, job.setting.cell))
         if cell:
             return statistics.median(cell)
         elsewhere = [s / steps[t] for (t, c), v in by_cell.items() if c == job.setting.cell for s in v]
@@ -241,7 +247,7 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
     plan = make_plan(ledger, tables)
     predict = job_seconds(ledger, tables)
     total = sum(len(t.settings) * t.jobs_per_setting() for t in tables)
-    say(f"commit {ledger.commit or '(any)'} on {ledger.kind}; run dirs in {ledger.out}")
+    say(f"commit {ledger.commit or '(any)'} on {ledger.machine or ledger.kind}; run dirs in {ledger.out}")
     for table in tables:
         mine = [j for j in plan.done if j.table is table]
         jobs = len(table.settings) * table.jobs_per_setting()
