@@ -126,6 +126,26 @@ def test_records_of_another_commit_or_device_do_not_count_but_another_cpu_model_
     assert predict(runner.Job(table, table.settings[0], 3e-3, 0)) == 10.0  # this machine's record, not the other's
 
 
+def test_a_cell_new_to_a_table_is_predicted_from_its_other_tables_scaled_by_the_cells_that_ran_both(tmp_path):
+    """rnn took 10 s a job in one table and 40 s in a longer one (same steps): gru, at 100 s in the first and not yet
+    run in the second, is predicted at 400 s there (not at 100 s, as the steps alone would say)."""
+    short = tiny_table()
+    long = Table("tiny2", "Longer", "zoo_parity", (), short.settings, short.lrs, 3, 6, "accuracy", True, 32, (32,), "")
+
+    def record(table, cell, seconds):
+        setting = next(s for s in table.settings if s.cell == cell)
+        return records.record_from_results(table, setting, 1e-3, 0, {
+            "status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.5}, "wall_seconds": seconds,
+            "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}, "x")
+
+    records.merge(tmp_path / "docs", short, [record(short, "rnn", 10.0), record(short, "gru", 100.0)])
+    records.merge(tmp_path / "docs", long, [record(long, "rnn", 40.0)])
+    ledger = runner.Ledger([short, long], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
+    predict = runner.job_seconds(ledger, [short, long])
+    assert predict(runner.Job(long, long.settings[1], 1e-3, 0)) == 400.0
+    assert predict(runner.Job(long, long.settings[0], 3e-3, 0)) == 40.0
+
+
 def test_the_time_left_is_predicted_from_the_records_own_times_as_the_plan_predicts(tmp_path, code):
     """Before any job of this call has finished, the status line predicts from the records on this kind of
     machine: rnn's grid took 100 s a job, so its 2 seeds and gru's 3 + 2 jobs (no record of gru: the table's

@@ -210,15 +210,26 @@ def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], floa
 
     steps = {t.key: t.steps for t in tables}
 
+    def median(key: tuple[str, str], mine_first: bool = True) -> float:
+        return statistics.median((here.get(key) if mine_first else None) or by_cell[key])
+
+    def scale(table: str, other: str) -> float:
+        """How much longer a job of `table` takes than one of `other`: the median ratio over the cells that ran
+        both (their lengths, batches and evals differ), else the ratio of their steps."""
+        shared = [c for (t, c) in by_cell if t == table and (other, c) in by_cell]
+        if not shared:
+            return steps[table] / steps[other]
+        return statistics.median(median((table, c), False) / median((other, c), False) for c in shared)
+
     def predict(job: Job) -> float | None:
-        """The cell's median in this table on this machine, else on this kind; else its median per step in the
-        others, times this table's steps; else the table's median; else the median per step of every record."""
-        cell = here.get((job.table.key, job.setting.cell)) or by_cell.get((job.table.key, job.setting.cell))
-        if cell:
-            return statistics.median(cell)
-        elsewhere = [s / steps[t] for (t, c), v in by_cell.items() if c == job.setting.cell for s in v]
+        """The cell's median in this table on this machine, else on this kind; else its median in each other
+        table, scaled to this one (`scale`); else the table's median; else the median per step of every record."""
+        key = (job.table.key, job.setting.cell)
+        if key in by_cell:
+            return median(key)
+        elsewhere = [median((t, c)) * scale(job.table.key, t) for (t, c) in by_cell if c == job.setting.cell]
         if elsewhere:
-            return statistics.median(elsewhere) * job.table.steps
+            return statistics.median(elsewhere)
         table = [s for (t, _), v in by_cell.items() if t == job.table.key for s in v]
         if table:
             return statistics.median(table)
