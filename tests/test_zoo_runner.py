@@ -290,7 +290,7 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
             r["tokens_per_sec"] = 300.0
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     mixed = page.build(docs, {"tiny": table})[0]
-    assert (f"Commit `{COMMIT[:12]}` on CPU (A: CPU (Stand-in, 2 cores), 8 jobs; B: CPU (Other, 4 cores), 2 jobs)"
+    assert (f"Commit `{COMMIT[:12]}` on CPU, 2 machines (A = CPU (Stand-in, 2 cores), 8 jobs; B = CPU (Other, 4 cores), 2 jobs)"
             in mixed and "2 of 2 settings under the protocol" in mixed)
     assert "| 300 (B) |" in next(line for line in mixed.splitlines() if line.startswith("| gru |") and "±" in line)
     assert "| 100 (A) |" in next(line for line in mixed.splitlines() if line.startswith("| rnn |") and "±" in line)

@@ -287,9 +287,9 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
         done = [r for r in rows if r.complete]
         waiting = [r for r in rows if not r.complete and r.jobs()]
         letters = machine_letters(mine)
-        where = (f"{kind} (" + "; ".join(f"{letter}: {m}, {sum(records.machine_of(r) == m for r in mine)} jobs"
-                                         for m, letter in letters.items()) + ")" if letters
-                 else records.machine_of(mine[0]))
+        where = (f"{kind}, {len(letters)} machines (" + "; ".join(
+            f"{letter} = {m}, {sum(records.machine_of(r) == m for r in mine)} jobs" for m, letter in letters.items())
+                 + ")" if letters else records.machine_of(mine[0]))
         lines += [f"## {table.title}", "", table.about, "",
                   f"Commit `{(commit or 'not recorded')[:12]}` on {where}, {dates(mine)}: {len(done)} of "
                   f"{len(table.settings)} settings under the protocol, each at the lr its seed-0 grid chose on "
