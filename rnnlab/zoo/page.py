@@ -140,14 +140,15 @@ def cell_text(row: Row, table: Table, n: int | str, metric: str | None = None) -
     return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "") if mean is not None else "-"
 
 
-def machine_letters(recs: Sequence[Mapping[str, Any]]) -> dict[str, str]:
-    """A letter for each machine of a table's records, the one with the most jobs first (where there are several)."""
+def machine_letters(recs: Sequence[Mapping[str, Any]]) -> dict[str, tuple[str, int]]:
+    """A letter and a job count for each machine of a table's records, the one with the most jobs first (where
+    there are several)."""
     counts = collections.Counter(records.machine_of(r) for r in recs)
     ordered = sorted(counts, key=lambda m: (-counts[m], m))
-    return {m: chr(ord("A") + i) for i, m in enumerate(ordered)} if len(ordered) > 1 else {}
+    return {m: (chr(ord("A") + i), counts[m]) for i, m in enumerate(ordered)} if len(ordered) > 1 else {}
 
 
-def rate_text(row: Row, letters: Mapping[str, str]) -> str:
+def rate_text(row: Row, letters: Mapping[str, tuple[str, int]]) -> str:
     """The row's tokens/s: the mean over its chosen jobs on one machine (its most used; named by its letter where the
     table has several), since machines differ in speed."""
     by_machine: dict[str, list[float]] = {}
@@ -156,12 +157,12 @@ def rate_text(row: Row, letters: Mapping[str, str]) -> str:
             by_machine.setdefault(records.machine_of(r), []).append(r["tokens_per_sec"])
     if not by_machine:
         return "-"
-    machine = min(by_machine, key=lambda m: (-len(by_machine[m]), letters.get(m, ""), m))
-    return f"{records.mean_and_spread(by_machine[machine])[0]:,.0f}" + (f" ({letters[machine]})" if letters else "")
+    machine = min(by_machine, key=lambda m: (-len(by_machine[m]), letters.get(m, ("", 0))[0], m))
+    return f"{records.mean_and_spread(by_machine[machine])[0]:,.0f}" + (f" ({letters[machine][0]})" if letters else "")
 
 
 def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False,
-                   letters: Mapping[str, str] | None = None) -> list[str]:
+                   letters: Mapping[str, tuple[str, int]] | None = None) -> list[str]:
     papers = table.key in ("parity", "s3")
     grid = " / ".join(lr_text(lr) for lr in table.lrs)
     head = ["setting", *(f"{metric}@{key}" + (" (train)" if key == str(table.train_len) else "")
@@ -288,7 +289,7 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
         waiting = [r for r in rows if not r.complete and r.jobs()]
         letters = machine_letters(mine)
         where = (f"{kind}, {len(letters)} machines (" + "; ".join(
-            f"{letter} = {m}, {sum(records.machine_of(r) == m for r in mine)} jobs" for m, letter in letters.items())
+            f"{letter} = {m}, {count} jobs" for m, (letter, count) in letters.items())
                  + ")" if letters else records.machine_of(mine[0]))
         lines += [f"## {table.title}", "", table.about, "",
                   f"Commit `{(commit or 'not recorded')[:12]}` on {where}, {dates(mine)}: {len(done)} of "
