@@ -126,6 +126,23 @@ def test_records_of_another_commit_or_device_do_not_count_but_another_cpu_model_
     assert predict(runner.Job(table, table.settings[0], 3e-3, 0)) == 10.0  # this machine's record, not the other's
 
 
+def test_the_plan_says_when_nothing_is_left_and_when_no_time_is_known(tmp_path):
+    """A plan with no record to predict from says so; one with every job recorded says nothing is left."""
+    table = tiny_table(("gru",))
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
+    lines = []
+    runner.print_plan(ledger, [table], 2, say=lines.append)
+    assert lines[-1].startswith("predicted: unknown")
+    results = {"status": "completed", "step": 6, "eval_metrics": {"accuracy": 0.5}, "wall_seconds": 10.0,
+               "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}
+    records.merge(tmp_path / "docs", table, [records.record_from_results(table, table.settings[0], lr, seed, results, "x")
+                                             for lr, seed in [*((lr, 0) for lr in table.lrs), (1e-3, 1), (1e-3, 2)]])
+    lines.clear()
+    ledger = runner.Ledger([table], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)  # reads the records
+    runner.print_plan(ledger, [table], 2, say=lines.append)
+    assert lines[-2].startswith("5 jobs: 5 recorded, 0 ready") and lines[-1] == "predicted: nothing left to run"
+
+
 def test_a_cell_new_to_a_table_is_predicted_from_its_other_tables_scaled_by_the_cells_that_ran_both(tmp_path):
     """rnn took 10 s a job in one table and 40 s in a longer one (same steps): gru, at 100 s in the first and not yet
     run in the second, is predicted at 400 s there (not at 100 s, as the steps alone would say)."""

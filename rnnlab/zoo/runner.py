@@ -270,7 +270,9 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
     unknown = len(left) + len(later_seconds) - len(known)
     say(f"{total} jobs: {len(plan.done)} recorded, {len(plan.todo_now)} ready, {plan.later} waiting on their grid"
         + (f", {len(plan.no_lr)} settings with every lr failed" if plan.no_lr else ""))
-    if known:
+    if not left and not later_seconds:
+        say("predicted: nothing left to run")
+    elif known:
         say(f"predicted: {duration(sum(known) / max(parallel, 1))} with {parallel} side by side "
             f"({duration(sum(known))} of job time" + (f"; {unknown} jobs with no time to go by" if unknown else "")
             + "), from the records' own times on this kind of machine")
