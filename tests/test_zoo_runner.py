@@ -296,6 +296,8 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
     rnn = next(line for line in first.splitlines() if line.startswith("| rnn |") and "±" in line)
     assert "0.6 / diverged / **0.7**" in rnn
     assert "| rnn | ✓ |" in first  # the coverage matrix
+    # rnn's 1e-2 beat a diverged 3e-3: its best lr may lie above the grid; gru's 1e-3 is a tie, chosen by the rule.
+    assert "at the next lr in: 1 of 2 settings at its largest, 1e-2 (rnn). Their best lr may lie beyond" in first
 
     # gru's seeds 1 and 2 ran on another CPU model (a later session's machine): the table keeps them, names both
     # machines in its header, and each row's tokens/s says on which it was measured.
@@ -311,6 +313,24 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
             in mixed and "2 of 2 settings under the protocol" in mixed)
     assert "| 300 (B) |" in next(line for line in mixed.splitlines() if line.startswith("| gru |") and "±" in line)
     assert "| 100 (A) |" in next(line for line in mixed.splitlines() if line.startswith("| rnn |") and "±" in line)
+
+
+def test_the_page_names_the_settings_whose_choice_is_an_end_of_the_grid_by_a_slope_not_a_tie():
+    table = tiny_table(("rnn", "gru", "lstm", "lru"))
+
+    def row(setting, scores):  # seed 0's score at 1e-3, 3e-3, 1e-2 (None: diverged)
+        grid = {lr: {"status": "completed" if s is not None else "diverged", "metrics": {"8": {"accuracy": s}}}
+                for lr, s in zip(table.lrs, scores)}
+        lr = choose_lr({lr: records.score(r, table) for lr, r in grid.items()}, True)
+        return page.Row(setting, grid, lr, [], True)
+
+    rows = [row("rnn", (0.9, 0.8, 0.1)), row("gru", (0.9, 0.9, 0.1)), row("lstm", (0.1, 0.5, 0.6)),
+            row("lru", (0.1, 0.7, 0.6))]
+    assert page.grid_ends(rows, table) == (
+        "Chosen at an end of the lr grid, and better there than at the next lr in: 1 of 4 settings at its largest, "
+        "1e-2 (lstm); 1 of 4 settings at its smallest, 1e-3 (rnn). Their best lr may lie beyond the grid; the "
+        "protocol does not widen a grid after seeing its results.")
+    assert page.grid_ends(rows[1:2] + rows[3:], table) is None  # a tie at the smallest, an inner lr
 
 
 def test_the_cli_refuses_bad_input_in_one_line(capsys):
@@ -382,3 +402,4 @@ def test_a_text_table_chooses_on_validation_bpc_lower_is_better_and_reports_the_
     row = next(line for line in text.splitlines() if line.startswith("| lstm |") and "±" in line)
     assert row.startswith("| lstm | 2.3 ± 0.1 | 2.35 ± 0.1 | 2.5 ± 0.1 | 3e-3 | 3 | 2.5 / **2.2** |"), row
     assert "![" not in text  # no plot against length for a table of splits
+    assert "at the next lr in: 1 of 1 settings at its largest, 3e-3. Their" in text

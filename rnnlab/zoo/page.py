@@ -135,6 +135,30 @@ def grid_text(row: Row, table: Table) -> str:
     return " / ".join(cells)
 
 
+def grid_ends(rows: Sequence[Row], table: Table) -> str | None:
+    """A sentence naming the settings whose chosen lr is an end of the grid and scored strictly better there than
+    at the next lr in (a tie chose the smaller lr by rule, not by a slope): the grid may not hold their best lr."""
+    lrs = sorted(table.lrs)
+    if len(lrs) < 2:
+        return None
+    ends: dict[float, list[str]] = {lrs[0]: [], lrs[-1]: []}
+    for row in rows:
+        if row.lr is None or not any(same_lr(row.lr, end) for end in ends):
+            continue
+        end = lrs[0] if same_lr(row.lr, lrs[0]) else lrs[-1]
+        inner = lrs[1] if end == lrs[0] else lrs[-2]
+        at_end, next_in = (records.score(row.grid[lr], table) for lr in (end, inner))
+        if next_in is None or (at_end > next_in if table.higher_is_better else at_end < next_in):
+            ends[end].append(row.setting)
+    parts = [f"{len(names)} of {len(rows)} settings at its {side}, {lr_text(lr)}"
+             + (f" ({', '.join(names)})" if len(names) < len(rows) else "")
+             for side, lr in (("largest", lrs[-1]), ("smallest", lrs[0])) if (names := ends[lr])]
+    if not parts:
+        return None
+    return (f"Chosen at an end of the lr grid, and better there than at the next lr in: {'; '.join(parts)}. Their "
+            "best lr may lie beyond the grid; the protocol does not widen a grid after seeing its results.")
+
+
 def cell_text(row: Row, table: Table, n: int | str, metric: str | None = None) -> str:
     mean, spread = row.stats(table, n, metric)
     return fmt(mean) + (f" ± {spread:.2g}" if spread is not None else "") if mean is not None else "-"
@@ -298,6 +322,8 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
                   + (f" ({others} record(s) of other commits or devices not shown.)" if others else ""), ""]
         if done:
             lines += [*markdown_table(done, table, letters=letters), ""]
+            edges = grid_ends(done, table)
+            lines += [edges, ""] if edges else []
             if any(r.lr is not None for r in done) and len(table.eval_lens) > 1:  # a metric against length
                 lines += [f"![{table.title}]({plot_name(table)})", ""]
                 plotted[table.key] = [r for r in done if r.lr is not None]
