@@ -143,13 +143,12 @@ def grid_ends(rows: Sequence[Row], table: Table) -> str | None:
         return None
     ends: dict[float, list[str]] = {lrs[0]: [], lrs[-1]: []}
     for row in rows:
-        if row.lr is None or not any(same_lr(row.lr, end) for end in ends):
-            continue
-        end = lrs[0] if same_lr(row.lr, lrs[0]) else lrs[-1]
-        inner = lrs[1] if end == lrs[0] else lrs[-2]
-        at_end, next_in = (records.score(row.grid[lr], table) for lr in (end, inner))
-        if next_in is None or (at_end > next_in if table.higher_is_better else at_end < next_in):
-            ends[end].append(row.setting)
+        for end, inner in ((lrs[0], lrs[1]), (lrs[-1], lrs[-2])):
+            if row.lr is None or not same_lr(row.lr, end):
+                continue
+            at_end, next_in = records.score(row.grid[end], table), records.score(row.grid[inner], table)
+            if next_in is None or (at_end > next_in if table.higher_is_better else at_end < next_in):
+                ends[end].append(row.setting)
     parts = [f"{len(names)} of {len(rows)} settings at its {side}, {lr_text(lr)}"
              + (f" ({', '.join(names)})" if len(names) < len(rows) else "")
              for side, lr in (("largest", lrs[-1]), ("smallest", lrs[0])) if (names := ends[lr])]
