@@ -457,6 +457,7 @@ def validate(c: Config) -> None:
         tasks.check_data(c.data)  # the task's options, data.seq_len, data.min_seq_len, data.eval_seq_lens
     except tasks.OptionError as e:
         raise ConfigError(str(e)) from None
+    _validate_stream_task(c)
     d = c.distributed
     if d.process_id is not None and not 0 <= d.process_id < (d.num_processes or 1):
         raise ConfigError(
@@ -467,6 +468,23 @@ def validate(c: Config) -> None:
         if name not in known and not _is_pattern_key(name):
             raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
                               f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
+
+
+def _validate_stream_task(c: Config) -> None:
+    """A task trained over contiguous streams, each stream's state carried from step to step (`tasks.carries_state`:
+    data=text): what its streams cannot do. A full attention cache would grow without end; its held-out text is
+    evaluated through its streams, not at lengths."""
+    task = tasks.get_task(c.data.task)
+    if not tasks.carries_state(task):
+        return
+    if any(getattr(spec.make(c.model.hidden_dim), "window", None) == 0 for spec in c.model.layer_cells()):
+        raise ConfigError(f"key 'model.window': 0 (full causal attention), but data={task.name} carries each "
+                          f"stream's state from step to step, and a full cache would grow without end; allowed: a "
+                          f"window >= 1 (model.window, or model.pattern_keys.attention.window in a hybrid), the "
+                          f"ring buffer of the last window steps carried as the recurrences' state is")
+    if c.data.eval_seq_lens:
+        raise ConfigError(f"key 'data.eval_seq_lens': got {list(c.data.eval_seq_lens)}, allowed: [] for "
+                          f"data={task.name} (held-out text is evaluated through its streams: data.eval_streams)")
 
 
 def _is_pattern_key(name: str) -> bool:
@@ -523,6 +541,12 @@ def _layer_problem(spec: LayerCell, m: ModelConfig, prefix: str) -> Optional[str
     if spec.time_scan not in (*cell.time_scans, "auto"):
         return (f"key '{prefix}time_scan': got {spec.time_scan!r}, allowed for cell {spec.cell!r}: "
                 f"{', '.join(cell.time_scans)}, auto (the fastest form at each length)")
+    if r == "custom_vjp" and not cell.has_backward_in(spec.time_scan):  # that form would run autodiff
+        forms = cell.custom_vjp_forms()
+        return (f"key '{prefix}recurrence': got 'custom_vjp', but cell {spec.cell!r} has a hand-written backward "
+                f"only in its form{'s' if len(forms) > 1 else ''} {', '.join(forms)}, not in "
+                f"{prefix}time_scan={spec.time_scan}; allowed: autodiff, or {prefix}time_scan="
+                f"{'|'.join(forms)}")
     if m.remat and isinstance(cell, cells.SequenceCell):
         return (f"key 'model.remat': got true, but cell {spec.cell!r} mixes the whole sequence at once: "
                 f"it has no per-step cell to recompute; allowed: false")

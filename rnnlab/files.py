@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import math
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -47,3 +50,38 @@ def cache_dir() -> Path:
     """rnnlab's per-user cache: `$XDG_CACHE_HOME/rnnlab`, default `~/.cache/rnnlab`."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "rnnlab"
+
+
+def exclusive_lock(path: Path, flags: int = 0) -> tuple[int | None, str]:
+    """An exclusive `flock` on `path` (created if missing), without waiting: (its fd, "") once held, the file then
+    naming this process (pid and host) for whoever finds it held; (None, "pid N on host H") while another live
+    process holds it. The OS drops the lock when its fd is closed or the process ends, SIGKILL included, so it never
+    goes stale. The run dir's, the sweep dir's and the zoo runner's locks."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        return None, f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+    return fd, ""
+
+
+def lock_holder(path: Path) -> str | None:
+    """Who holds the `flock` on `path` ("pid N"), if a live process does; None if nobody does (or there is no file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").split()
+        return f"pid {holder[0]}" if holder else "another process"
+    finally:
+        os.close(fd)  # drops the probe's shared lock, if it got one
+    return None

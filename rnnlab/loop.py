@@ -173,7 +173,16 @@ class _Loop:
     def _evaluate(self, step: int, state: Any, guard: PreemptionGuard) -> bool:
         """Every evaluated length, and the eval examples of tasks with a symbol per step; False if a stop was
         requested (SIGTERM, a first Ctrl-C) before or during it: then nothing of it is logged. Checked before
-        each length and between the chunks of one run in segments (`StepFunctions.evaluate`)."""
+        each length and between the chunks of one run in segments (`StepFunctions.evaluate`). An allocation failure
+        in it is named by the keys that size the evaluation (`memory.out_of_memory_error`)."""
+        try:
+            return self._evaluate_all(step, state, guard)
+        except Exception as e:
+            if memory.is_out_of_memory(e):
+                raise memory.out_of_memory_error(e, self.config, evaluating=True) from None
+            raise
+
+    def _evaluate_all(self, step: int, state: Any, guard: PreemptionGuard) -> bool:
         try:
             by_length, examples = self.fns.evaluate(state, lambda: guard.requested is not None)
         except EvalInterrupted:

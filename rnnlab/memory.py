@@ -118,17 +118,69 @@ def check_eval_batches_fit(state: Any, batches: Sequence[Any], extra: dict[int, 
         f"{free / GiB:.3g} GiB of {devices[0].platform} memory is free; allowed: {allowed}")
 
 
-def check_eval_state_fits(state_bytes: float, length: int, devices: Sequence[jax.Device], config: Config) -> None:
-    """OutOfMemoryError naming `data.eval_seq_lens` unless the model's state for one device's batch at `length`
-    steps, evaluated in segments (`data.eval_segment_len`), fits: a recurrence's does whatever the length,
-    attention's cache of every step seen may not."""
+def check_eval_state_fits(state_bytes: float, length: int, devices: Sequence[jax.Device], config: Config,
+                          forward_per_device: float = 0.0, segment: int = 0) -> None:
+    """OutOfMemoryError unless the model's state for one device's batch at `length` steps, evaluated in segments
+    (`data.eval_segment_len`), fits beside the forward of one segment (`forward_per_device`: `forward_bytes` of
+    its `segment` steps): a recurrence's state does whatever the length, attention's cache of every step seen
+    may not (naming `data.eval_seq_lens`); a segment's forward may not (naming `data.eval_segment_len`)."""
     free = free_bytes(devices)
-    if free is None or state_bytes <= free / 2:  # the segments' own work needs the rest
+    if free is None or state_bytes + forward_per_device <= free / 2:  # the segments' own work needs the rest
         return
+    if state_bytes >= forward_per_device:
+        raise OutOfMemoryError(
+            f"key 'data.eval_seq_lens': evaluating {length} steps keeps a model state of about {state_bytes / GiB:.3g} "
+            f"GiB per device (attention's cache of every step), but {free / GiB:.3g} GiB of {devices[0].platform} "
+            f"memory is free; allowed: shorter lengths, or attention with a window (model.window)")
     raise OutOfMemoryError(
-        f"key 'data.eval_seq_lens': evaluating {length} steps keeps a model state of about {state_bytes / GiB:.3g} GiB "
-        f"per device (attention's cache of every step), but {free / GiB:.3g} GiB of {devices[0].platform} memory is "
-        f"free; allowed: shorter lengths, or attention with a window (model.window)")
+        f"key 'data.eval_segment_len': evaluating {length} steps in segments of {segment} steps takes about "
+        f"{(state_bytes + forward_per_device) / GiB:.3g} GiB per device for a segment's forward, but "
+        f"{free / GiB:.3g} GiB of {devices[0].platform} memory is free; allowed: data.eval_segment_len below {segment}, "
+        f"or a smaller batch_size")
+
+
+def forward_bytes(config: Config, output_dim: int, rows: int, time_steps: int) -> float:
+    """Bytes a forward of the model over `rows` examples of `time_steps` steps holds at least, per device, whatever
+    its cells' forms: a layer's input term [T, B, W] (W the widest cell's `input_width`) and its output [T, B, H]
+    in the compute dtype, and the readout's logits [B, T, output_dim] in float32 (what the loss reads). An
+    evaluation holds this beside the train state; the train step's backward (`layer_outputs_bytes`) is not held
+    at the same time."""
+    model = config.model
+    itemsize = np.dtype(jax.numpy.dtype(model.dtype)).itemsize
+    width = max(spec.make(model.hidden_dim).input_width for spec in model.layer_cells())
+    return float(rows) * time_steps * ((width + model.hidden_dim) * itemsize + 4.0 * output_dim)
+
+
+def check_stream_eval_fits(state: Any, batches: Sequence[Any], devices: Sequence[jax.Device], config: Config,
+                           kept_per_device: float, streams: int, per_stream: float, fixed: float, windows: int) -> None:
+    """Once `check_state_fits(state, batches, ...)` passed, for a task evaluated through streams (data=text):
+    OutOfMemoryError naming `data.eval_streams` unless its evaluation fits beside the train state and batches:
+    `streams` streams over this process's devices, each device holding `per_stream` bytes for each of its rows (its
+    model state and forwards: `forward_bytes`) and `fixed` bytes (the held-out text); the train step's
+    `kept_per_device` is not held at the same time. The message says about how many streams fit, and how many
+    read anything (`windows`: the held-out text's windows; a stream past them reads none)."""
+    free = free_bytes(devices)
+    if free is None:
+        return
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    rows = -(-streams // len(devices))
+    sizes = [tree_bytes(batch) for batch in batches]
+    resident = tree_bytes(state) + (sizes[0] + config.eval_batches * sum(sizes[1:])) / max(1, jax.process_count()) / local
+    cpu = devices[0].platform == "cpu"
+    host, copies = (tree_bytes(state), local) if cpu else (0.0, 1)
+    needed = host + copies * (resident + max(kept_per_device, fixed + per_stream * rows))
+    if needed <= free:
+        return
+    fit_rows = int(((free - host) / copies - resident - fixed) // per_stream) if per_stream else 0
+    fit = max(0, fit_rows) * len(devices)
+    advice = (f"fewer data.eval_streams (at most about {fit:,} by this estimate, a lower bound; the held-out text has "
+              f"{windows:,} windows of data.seq_len, and a stream past them reads nothing)" if fit else
+              "not one stream fits beside training: lower hidden_dim, num_layers, batch_size or data.seq_len")
+    raise OutOfMemoryError(
+        f"key 'data.eval_streams': evaluating the held-out text through {streams:,} streams ({rows:,} per device, "
+        f"each run with its state carried and reset over data.seq_len={config.data.seq_len} steps) would take about "
+        f"{needed / GiB:.3g} GiB with training, but {free / GiB:.3g} GiB of {devices[0].platform} memory is free; "
+        f"allowed: {advice}")
 
 
 def layer_outputs_bytes(config: Config, per_device: int, time_steps: int) -> float:
@@ -180,8 +232,19 @@ def is_out_of_memory(error: BaseException) -> bool:
     return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
 
 
-def out_of_memory_error(error: BaseException, config: Config) -> OutOfMemoryError:
+def out_of_memory_error(error: BaseException, config: Config, evaluating: bool = False) -> OutOfMemoryError:
+    """The one line of an allocation failure XLA reported: with `evaluating` (it happened in an evaluation) naming
+    the keys that size the evaluation, else those that size training."""
     reason = str(error).splitlines()[0][:200]
+    if evaluating:
+        from rnnlab import tasks  # noqa: PLC0415
+
+        if tasks.carries_state(tasks.get_task(config.data.task)):
+            keys = f"data.eval_streams={dict(config.data.options).get('eval_streams')}"
+        else:
+            keys = (f"data.eval_seq_lens={list(config.data.eval_seq_lens)}, eval_batches={config.eval_batches}, "
+                    f"data.eval_segment_len={config.data.eval_segment_len}")
+        return OutOfMemoryError(f"out of memory in an evaluation ({reason}) with {keys}; lower one of them")
     return OutOfMemoryError(
         f"out of memory ({reason}) with hidden_dim={config.hidden_dim}, num_layers={config.num_layers}, "
         f"batch_size={config.batch_size}, data.seq_len={config.data.seq_len}; lower one of them"

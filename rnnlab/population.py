@@ -27,7 +27,7 @@ import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import compile_cache, memory, parallel
+from rnnlab import compile_cache, memory, parallel, tasks
 from rnnlab.checkpoint import CheckpointError, Checkpointer, CheckpointSaveError
 from rnnlab.loop import train_loop
 from rnnlab.models import count_params
@@ -86,8 +86,20 @@ def population_key(config: cfg.Config, member_keys: Sequence[str] = MEMBER_KEYS)
             config.optimizer.clip_norm > 0, bool(config.optimizer.momentum))
 
 
+def check_task(config: cfg.Config) -> None:
+    """ConfigError naming `hydra/launcher` if `config`'s task cannot train as a population's member: a task whose
+    train state carries its streams' model state (`tasks.carries_state`: data=text) trains one run at a time.
+    Asked of every job before the launcher writes anything (`rnnlab.population_launch.launch`)."""
+    if tasks.carries_state(tasks.get_task(config.data.task)):
+        raise cfg.ConfigError(f"key 'hydra/launcher': population, but data={config.data.task} trains one run at a "
+                              f"time (its train state carries each stream's model state from step to step, which "
+                              f"a member axis does not); allowed: hydra/launcher=basic or parallel")
+
+
 def check_members(members: Sequence[Member]) -> None:
-    """ConfigError unless the members differ only in `MEMBER_KEYS` (and keep the program's structure)."""
+    """ConfigError unless the members' task can train as a population (`check_task`) and they differ only in
+    `MEMBER_KEYS` (and keep the program's structure)."""
+    check_task(members[0].config)
     first = population_key(members[0].config)
     for m in members[1:]:
         if population_key(m.config) != first:

@@ -7,8 +7,9 @@ trained in), its results.json and exit status; the program's own console (model 
 goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else, or that cannot resume
 from one step (`_groups`), train in separate populations, one after another. A job's own fault (its run dir, its
 checkpoints, its resume, a failed save) fails that job alone (`rnnlab.population.train_population`); a job whose run
-completed with its config is reported done and left as it is; a run dir another process holds refuses the whole
-launch before anything is written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
+completed with its config is reported done and left as it is; a run dir another process holds, or a job whose task
+cannot train as a member (data=text: `rnnlab.population.check_task`), refuses the whole launch before anything is
+written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
 on the path).
 """
 
@@ -59,6 +60,7 @@ class _Job:
         self.output_dir = Path(config.hydra.runtime.output_dir)
         self.log_file = self.output_dir / f"{config.hydra.job.name}.log"
         self.rnnlab_config: Any = None
+        self.config_error: str | None = None  # why its config is refused (that job fails alone: `_ready_jobs`)
         self.error: JobFailed | None = None
         self.setup_error: tuple[str, int] | None = None  # (line, exit code) of a run dir that cannot be locked
 
@@ -103,7 +105,8 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     Before it writes anything of a job (.hydra/, train.log, results.json, the callbacks' counts) it takes every
     job's run-dir lock: a run dir held by another process (another sweep on this sweep dir) refuses the whole
     launch (RunDirBusy, exit 2), touching nothing. A job whose run completed with its config (`rundir.final_record`)
-    is reported done (its callbacks, its eval loss) and left out of every program."""
+    is reported done (its callbacks, its eval loss) and left out of every program. A job whose task cannot train as
+    a member (`rnnlab.population.check_task`: data=text) refuses the whole launch (ConfigError, exit 2) before that."""
     from rnnlab.population import MEMBER_KEYS
 
     setup_globals()
@@ -113,12 +116,13 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     if unknown:
         raise HydraException(f"key 'hydra.launcher.member_keys': got {unknown[0]!r}, allowed: {', '.join(MEMBER_KEYS)}")
     max_members = max_members_value(launcher.max_members)
-    Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     saved_hydra = HydraConfig.instance().cfg
     try:
         jobs = [_Job(launcher, overrides, initial_job_idx + i) for i, overrides in enumerate(job_overrides)]
     finally:
         HydraConfig.instance().cfg = saved_hydra
+    _read_configs(jobs)
+    Path(str(launcher.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     # With several JAX processes each takes its own lock index once JAX has started (`train_population`).
     distributed = any(OmegaConf.select(job.task_cfg, "distributed.enabled", default=False) is True for job in jobs)
     results: dict[int, Any] = {}
@@ -133,6 +137,22 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
             results |= _run_population(launcher, group, locked=not distributed)
             configure_log(launcher.config.hydra.hydra_logging, launcher.config.hydra.verbose)
     return [job.job_return(results.get(job.num)) for job in jobs]
+
+
+def _read_configs(jobs: list[_Job]) -> None:
+    """Every job's validated config (`_Job.rnnlab_config`), read before anything is written: one the config
+    refuses is that job's failure (`_Job.config_error`, reported by `_ready_jobs`); a task that cannot train as a
+    member (`rnnlab.population.check_task`) refuses the whole launch, ConfigError."""
+    from rnnlab.config import ConfigError, from_omegaconf
+    from rnnlab.population import check_task
+
+    for job in jobs:
+        try:
+            job.rnnlab_config = from_omegaconf(job.task_cfg)
+        except ConfigError as e:
+            job.config_error = str(e)
+            continue
+        check_task(job.rnnlab_config)
 
 
 def _lock_run_dirs(jobs: list[_Job], locks: contextlib.ExitStack) -> None:
@@ -158,7 +178,6 @@ def _ready_jobs(launcher: Any, jobs: list[_Job], results: dict[int, Any]) -> lis
     cannot be written or whose config is refused fails (exit 74 or 2, in its results.json as far as its run dir
     allows), before anything compiles; a job whose run completed with its config is done (its eval loss in
     `results`), nothing of it written."""
-    from rnnlab.config import ConfigError, from_omegaconf
     from rnnlab.rundir import final_record
 
     ready = []
@@ -167,11 +186,9 @@ def _ready_jobs(launcher: Any, jobs: list[_Job], results: dict[int, Any]) -> lis
             job.fail(*job.setup_error)
             _callbacks(launcher, job, None)
             continue
-        try:
-            job.rnnlab_config = from_omegaconf(job.task_cfg)
-        except ConfigError as e:
+        if job.config_error is not None:  # `_read_configs`
             _write_hydra_files(job)
-            job.fail(str(e), EXIT_BAD_INPUT)
+            job.fail(job.config_error, EXIT_BAD_INPUT)
             _callbacks(launcher, job, None)
             continue
         record = final_record(job.output_dir, job.rnnlab_config)

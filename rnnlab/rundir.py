@@ -4,17 +4,15 @@ each checkpoint carries says what it was trained with)."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from rnnlab import tasks
 from rnnlab.checkpoint import CheckpointError, Checkpointer, saved_steps
 from rnnlab.config import Config, ConfigError, flatten
-from rnnlab.files import read_json_object
+from rnnlab.files import exclusive_lock, read_json_object
 
 # Keys that fix the shape or structure of the saved state: no resume can change them.
 STRUCTURAL_KEYS = (
@@ -38,6 +36,8 @@ DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
 FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "eval_max_minutes", "data.eval_seq_lens", "data.eval_segment_len",
              "device.num_devices", "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
+# Also free: a task's own options that change only its evaluation (`Task.eval_options`: data=text's
+# data.eval_streams), found through the task registry (`is_free`).
 # Keys added after run records existed, with the value a record written before them means: an older
 # run dir resumes as the model it trained.
 ADDED_KEYS = {"model.pattern": []}
@@ -74,8 +74,10 @@ def final_record(workdir: Path, config: Config) -> dict[str, Any] | None:
     return record if all(saved[k] == now[k] for k in shared) else None
 
 
-def is_free(key: str) -> bool:
-    return key in FREE_KEYS or key.startswith(FREE_GROUPS)
+def is_free(key: str, task: str | None = None) -> bool:
+    """Whether a resume may change `key` freely: it cannot change the run's parameters. `task`: the run's
+    `data.task`, whose eval-only options (`tasks.eval_option_keys`) are free too."""
+    return key in FREE_KEYS or key.startswith(FREE_GROUPS) or (task is not None and key in tasks.eval_option_keys(task))
 
 
 def task_widths(task: Any) -> dict[str, int]:
@@ -146,8 +148,9 @@ def resume_changes(saved: Mapping[str, Any], now: Mapping[str, Any], allowed: Se
                 f"{now.get(key)!r}{named}: the parameter shapes differ; use the same values to resume, or a new "
                 f"hydra.run.dir"
             )
+    task = now.get("data.task")  # the same as saved's (a structural key)
     changed = {key: [saved.get(key), now.get(key)] for key in sorted(set(saved) | set(now))
-               if not is_free(key) and saved.get(key) != now.get(key)}
+               if not is_free(key, task) and saved.get(key) != now.get(key)}
     refused = {key: values for key, values in changed.items() if _allow_name(key) not in allowed}
     if refused:
         listed = ", ".join(f"{_allow_name(k)} {a!r} -> {b!r}" for k, (a, b) in refused.items())
@@ -197,21 +200,12 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").split()
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
+        fd, who = exclusive_lock(self.path, os.O_NOFOLLOW)
+        if fd is None:
             raise RunDirBusy(
                 f"run dir {self.path.parent} is in use by {who} (lock {self.path.name}); wait for that run "
                 f"to end, or choose another hydra.run.dir"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            )
         self._fd = fd
         return self
 

@@ -22,7 +22,7 @@ from rnnlab import cpu, flops, memory, parallel, rundir, tasks
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.models import build_model, initial_state
 from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, carries_state, create_train_state,
-                          default_steps_per_dispatch, make_dispatch, make_optimizer, run_once_options)
+                          default_steps_per_dispatch, eval_block_len, make_dispatch, make_optimizer, run_once_options)
 
 # The run's lines come from one logger (as when trainer.py wrote them all): processes other than 0 quiet it.
 log = logging.getLogger("rnnlab.trainer")
@@ -121,18 +121,11 @@ def plan(config: cfg.Config, workdir: Path, devices: list, checkpointer: Checkpo
 
 
 def check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
-    """data=text: refuse what its streams cannot do, then read the corpus and lay out its streams (a corpus that
-    cannot be had, or a training text too short for the batch: ConfigError, one line, exit 2)."""
+    """data=text: read the corpus and lay out its streams (a corpus that cannot be had, or a training text too short
+    for the batch: ConfigError, one line, exit 2). What its streams cannot do at all (a full attention cache,
+    data.eval_seq_lens) the config refuses (`rnnlab.config`), before any I/O."""
     from rnnlab import corpora  # noqa: PLC0415 - only data=text reads a corpus
 
-    if any(getattr(spec.make(config.model.hidden_dim), "window", None) == 0 for spec in config.model.layer_cells()):
-        raise cfg.ConfigError(f"key 'model.window': 0 (full causal attention), but data={task.name} carries each "
-                              f"stream's state from step to step, and a full cache would grow without end; allowed: a "
-                              f"window >= 1 (model.window, or model.pattern_keys.attention.window in a hybrid), the "
-                              f"ring buffer of the last window steps carried as the recurrences' state is")
-    if config.data.eval_seq_lens:
-        raise cfg.ConfigError(f"key 'data.eval_seq_lens': got {list(config.data.eval_seq_lens)}, allowed: [] for "
-                              f"data={task.name} (held-out text is evaluated through its streams: data.eval_streams)")
     try:
         task.splits
         task.train_layout(config.batch_size)
@@ -145,27 +138,49 @@ def check_stream_task(config: cfg.Config, task: tasks.Task) -> None:
 
 def _check_fits(setup: Setup) -> None:
     """Before anything is allocated: the train state and the batches, as shapes (`memory.check_state_fits`), then
-    the further lengths evaluated whole (`memory.check_eval_batches_fit`) and the model's state at the longest
-    one run in segments (`memory.check_eval_state_fits`)."""
+    the evaluation beside them: a stream task's streams (`memory.check_stream_eval_fits`: data.eval_streams), or
+    the further lengths evaluated whole, with the forward of the longest (`memory.check_eval_batches_fit`), and
+    the model's state at the longest one run in segments with a segment's forward (`memory.check_eval_state_fits`)."""
     config, task = setup.config, setup.task
     state = jax.eval_shape(lambda x: create_train_state(setup.params_key, setup.model, x, setup.tx,
                                                         carry_batch=setup.carry_batch), task.input_spec(1))
     stream = tasks.stream_key(config.seed, tasks.TRAIN_STREAM)
+    shape = lambda t: jax.eval_shape(lambda: tasks.sample_batch(t, stream, 0, 0, config.batch_size))  # noqa: E731
+    kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
+    if carries_state(task):  # no eval batches: the held-out text through data.eval_streams streams
+        batches = [shape(task)]
+        memory.check_state_fits(state, batches, setup.devices, config, kept)
+        _check_stream_eval_fits(setup, state, batches, kept)
+        return
     evaluated = {task.seq_len: task} | {n: task.with_seq_len(n) for n in config.data.eval_seq_lens if n != task.seq_len}
     segment = config.data.eval_segment_len
     whole = {n: t for n, t in evaluated.items() if segment is None or t.total_len <= segment}  # the rest never exist whole
-    shape = lambda t: jax.eval_shape(lambda: tasks.sample_batch(t, stream, 0, 0, config.batch_size))  # noqa: E731
     batches = [shape(task)] + ([shape(task)] if task.seq_len in whole else [])
-    kept = memory.layer_outputs_bytes(config, setup.per_device, task.total_len)
     longest = max((t.total_len for t in evaluated.values() if t not in whole.values()), default=0)
     if longest:  # the model's state at the longest length run in segments (attention's cache grows with it)
-        memory.check_eval_state_fits(memory.tree_bytes(jax.eval_shape(
-            lambda: initial_state(setup.model, setup.per_device, longest))), longest, setup.devices, config)
+        block = eval_block_len(segment, setup.per_device)
+        memory.check_eval_state_fits(
+            memory.tree_bytes(jax.eval_shape(lambda: initial_state(setup.model, setup.per_device, longest))), longest,
+            setup.devices, config, memory.forward_bytes(config, task.output_dim, setup.per_device, block), block)
     memory.check_state_fits(state, batches, setup.devices, config, kept)
     extra = {n: shape(t) for n, t in whole.items() if n != task.seq_len}
-    forward = max((memory.layer_outputs_bytes(config, setup.per_device, t.total_len) / config.num_layers
+    forward = max((memory.forward_bytes(config, task.output_dim, setup.per_device, t.total_len)
                    for n, t in whole.items() if n != task.seq_len), default=0.0)
     memory.check_eval_batches_fit(state, batches, extra, setup.devices, config, kept, forward, task.segmentable())
+
+
+def _check_stream_eval_fits(setup: Setup, state: Any, batches: list, kept: float) -> None:
+    """A stream task's evaluation (`steps.make_stream_evaluator`) beside training: per device, a row per stream
+    holding its model state (carried, fresh, the next) and two forwards of a segment (state carried and reset),
+    and the held-out split replicated (the larger of validation and test)."""
+    config, task = setup.config, setup.task
+    row_state = memory.tree_bytes(jax.eval_shape(lambda: initial_state(setup.model, 1)))
+    per_stream = 3 * row_state + 2 * memory.forward_bytes(config, task.output_dim, 1, task.seq_len)
+    splits = [task.splits[name] for name in ("valid", "test")]
+    windows = [len(split.window_starts(task.seq_len)) for split in splits]
+    split_bytes = max(len(split) + 4.0 * (len(split.starts) + n) for split, n in zip(splits, windows))
+    memory.check_stream_eval_fits(state, batches, setup.devices, config, kept, task.eval_streams, per_stream,
+                                  split_bytes, max(windows))
 
 
 def _log_pinning(devices: list) -> None:

@@ -155,8 +155,8 @@ class CarryTrainState(train_state.TrainState):
 
 def carries_state(task: tasks.Task) -> bool:
     """Whether `task` trains by truncated BPTT over contiguous streams (`sample_step`; data=text): its train
-    state is a `CarryTrainState`."""
-    return callable(getattr(task, "sample_step", None))
+    state is a `CarryTrainState` (`tasks.carries_state`)."""
+    return tasks.carries_state(task)
 
 
 def create_train_state(

@@ -210,27 +210,16 @@ _held: dict[str, int] = {}  # sweep dir -> the fd of its lock, held by this proc
 def hold_sweep_lock(sweep_dir: Path) -> None:
     """An exclusive `flock` on `<sweep dir>/.sweep.lock` for this process (again: nothing; `release_sweep_lock` ends
     it, or the process's end, SIGKILL included). SweepRefused (exit 2) while another live process holds it."""
-    import errno
-    import fcntl
-    import socket
+    from rnnlab.files import exclusive_lock
 
     path = Path(sweep_dir) / SWEEP_LOCK
     if str(path) in _held:
         return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").split()
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
-        who = f"pid {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "another process"
+    fd, who = exclusive_lock(path)
+    if fd is None:
         raise SweepRefused(f"sweep dir {Path(sweep_dir)} is in use by {who} (lock {SWEEP_LOCK}); wait for that sweep "
                            f"to end, or choose another hydra.sweep.dir (nothing was started or written)",
-                           EXIT_BAD_INPUT) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+                           EXIT_BAD_INPUT)
     _held[str(path)] = fd
 
 

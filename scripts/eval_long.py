@@ -10,9 +10,11 @@ length the run evaluated itself scores the same examples. Prints a Markdown tabl
 length: the task's headline metric) and writes every metric to `--out`.
 
 A long length states its predicted time once its first segments have run ("eval at length N: about X (measured
-Y tokens/s)"); one predicted past `--max-minutes` is refused. Exit codes, each with one line on stderr: 0 done;
-2 bad input (an option's value, a run dir without a config or a checkpoint, a length refused by its predicted
-time); 75 stopped by SIGTERM or a first Ctrl-C between segments (the rows done so far are printed and written);
+Y tokens/s)"); one predicted past `--max-minutes` is refused. A data=text run has no lengths to evaluate at: the
+run itself evaluates its held-out plays whole (`data.eval_streams` streams, the state carried; rerun its command
+with another `data.eval_streams` to evaluate it again), and is refused here. Exit codes, each with one line on
+stderr: 0 done; 2 bad input (an option's value, a run dir without a config or a checkpoint, a data=text run, a
+length refused by its predicted time); 75 stopped by SIGTERM or a first Ctrl-C between segments (the rows done so far are printed and written);
 130 aborted by a second Ctrl-C.
 """
 
@@ -146,6 +148,12 @@ def load(run: Path, args: argparse.Namespace) -> tuple[cfg.Config, tasks.Task]:
     config = dataclasses.replace(config, batch_size=args.sequences, eval_batches=1, eval_max_minutes=args.max_minutes,
                                  data=dataclasses.replace(config.data, eval_segment_len=args.segment))
     task = tasks.make_task(config.data)
+    if steps.carries_state(task):  # its train state carries its streams' model state: not a task of lengths
+        raise BadInput(f"argument RUN_DIR: {run} trained data={task.name}, which has no lengths to evaluate at: the "
+                       f"run evaluates its held-out documents whole itself (bpc with the state carried through "
+                       f"data.eval_streams streams, bpc_reset; the test documents at its end; results.json); allowed: "
+                       f"runs of the tasks with a length; to evaluate a text run again, rerun its train.py command "
+                       f"in its run dir with another data.eval_streams")
     short = [n for n in args.lengths if n < task.min_seq_len]
     if short:
         raise BadInput(f"argument --lengths: got {short[0]:,}, but the {task.name} task of {run} needs >= "

@@ -96,3 +96,75 @@ def test_imports_names_a_module_or_fails_naming_the_key():
     with pytest.raises(cfg.ConfigError, match="key 'imports': cannot import 'no_such_module_here' \\(ModuleNotFoundError"):
         compose_config(["imports=[no_such_module_here]"])
     assert compose_config(["imports=[json]"]).imports == ("json",)
+
+
+def traced_model(model_config, task):
+    """The jaxpr of the model's forward over a tiny batch of `task` (traced only, nothing compiled), as text."""
+    import jax
+
+    from rnnlab.models import build_model
+
+    model = build_model(model_config, task.output_dim, "gpu", task.input_dim)  # gpu: no oneDNN layer
+    x = task.input_spec(2)
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    return str(jax.make_jaxpr(lambda p, x: model.apply(p, x)[0].sum())(params, x))
+
+
+def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backward():
+    """model.recurrence=custom_vjp for a cell's form (model.time_scan) is accepted iff it changes the layer's program
+    from autodiff's (a hand-written backward runs); where it would run autodiff without a word (rwkv7, attention,
+    gla's chunked form, ...) it is refused naming model.recurrence. The rule comes from each cell's declaration in
+    the registry (`Cell.custom_vjp_forms`), not from a list of cells."""
+    import dataclasses
+
+    mismatched = []
+    for name in GROUPS["model"]:
+        base = compose_config([f"model={name}", "hidden_dim=8", "num_layers=1"])
+        task = tasks.make_task(base.data)
+        time_scans = base.model.make_cell().time_scans
+        runs_backward = {f: traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="autodiff",
+                                                             remat=False), task)
+                         != traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="custom_vjp",
+                                                             remat=False), task) for f in time_scans}
+        for form in (*time_scans, "auto"):  # auto may run any form
+            changes = all(runs_backward.values()) if form == "auto" else runs_backward[form]
+            try:
+                cfg.replace(base, **{"model.time_scan": form, "model.recurrence": "custom_vjp", "model.remat": False})
+                accepted = True
+            except cfg.ConfigError as e:
+                assert str(e).startswith("key 'model.recurrence': got 'custom_vjp', but cell ") and "\n" not in str(e)
+                accepted = False
+            if accepted != changes:
+                mismatched.append(f"{name} time_scan={form}: custom_vjp {'accepted' if accepted else 'refused'}, "
+                                  f"but it {'changes' if changes else 'does not change'} the program")
+    assert not mismatched, "\n".join(mismatched)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=rwkv7", "model.recurrence=custom_vjp"],
+     "key 'model.recurrence': got 'custom_vjp', but cell 'rwkv7' has no hand-written backward; allowed: autodiff"),
+    (["model=gla", "model.recurrence=custom_vjp"],
+     "key 'model.recurrence': got 'custom_vjp', but cell 'gla' has a hand-written backward only in its form "
+     "associative, not in model.time_scan=chunked; allowed: autodiff, or model.time_scan=associative"),
+])
+def test_config_exit_refuses_custom_vjp_where_it_would_run_autodiff(overrides, message):
+    import train
+
+    assert train.config_exit(overrides) == (2, message)
+    assert train.config_exit([*overrides[:1], "model.recurrence=autodiff"]) == (0, "")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=attention", "data=text"], "key 'model.window': 0 (full causal attention), but data=text carries each "
+                                       "stream's state"),
+    (["data=text", "data.eval_seq_lens=[16]"], "key 'data.eval_seq_lens': got [16], allowed: [] for data=text"),
+])
+def test_config_exit_refuses_what_text_streams_cannot_do_as_train_py_does(overrides, message):
+    """The config check (`train.config_exit`, the fuzzer's) and train.py share one refusal: full attention's cache
+    and evaluation lengths with data=text are refused when the config is read, before any corpus or JAX."""
+    import train
+
+    code, line = train.config_exit(overrides)
+    assert code == 2 and line.startswith(message) and "\n" not in line
+    assert train.config_exit([*overrides[:1], "data=text", "model.window=8"] if "model=attention" in overrides
+                             else ["data=text"]) == (0, "")

@@ -112,6 +112,32 @@ def test_an_eval_length_too_long_to_run_whole_is_refused_naming_the_key(tmp_path
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize("overrides, free, message", [
+    # A whole length's forward holds each layer's input term (3H for a GRU) and output, and the logits: about
+    # 1.1 KB a step for 8 examples at H=8, where a layer's output alone (what the check counted) is 256 bytes.
+    (["data.eval_seq_lens=[6,1000000]"], 2.0**29, "key 'data.eval_seq_lens': evaluating 1000000 steps whole keeps "),
+    # In segments: the state, and a segment's forward (8 examples x 2,048 steps: 16,384 tokens a device).
+    (["data.eval_seq_lens=[6,1000000]", "data.eval_segment_len=4096"], 2.0**22,
+     "key 'data.eval_segment_len': evaluating 1000000 steps in segments of 2048 steps takes about "),
+])
+def test_the_memory_check_counts_an_evaluations_forward_naming_its_key(tmp_path, monkeypatch, overrides, free,
+                                                                       message):
+    from rnnlab import memory
+    from rnnlab.checkpoint import Checkpointer
+    from rnnlab.setup import plan
+
+    monkeypatch.setattr(memory, "free_bytes", lambda devices: free)
+    config = tiny_config("data=parity", "model=gru", *overrides)
+    checkpointer = Checkpointer(tmp_path / "checkpoints", 0, 1)
+    try:
+        with pytest.raises(memory.OutOfMemoryError) as info:
+            plan(config, tmp_path, jax.devices()[:1], checkpointer)
+    finally:
+        checkpointer.close()
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    assert "hidden_dim" not in str(info.value)
+
+
 class StopDuringEval(PreemptionGuard):
     """A guard whose stop request comes once an evaluation in segments has asked twice (as a SIGTERM then would)."""
 
@@ -170,17 +196,21 @@ def load_eval_long():
     return module
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny parity run with a checkpoint, for scripts/eval_long.py."""
+def trained_run(run, *overrides):
+    """A tiny run of `overrides` with a checkpoint, trained in `run` as train.py would, for scripts/eval_long.py."""
     from omegaconf import OmegaConf
 
-    run = tmp_path_factory.mktemp("trained") / "run"
-    config = tiny_config("data=parity", "model=gru", "steps=2", "eval_every=2", "checkpoint.every=2")
+    config = tiny_config(*overrides, "steps=2", "eval_every=2", "checkpoint.every=2")
     train_and_evaluate(config, run)
     (run / ".hydra").mkdir()  # what Hydra writes for train.py
     OmegaConf.save(OmegaConf.create(json.loads(json.dumps(cfg.to_dict(config)))), run / ".hydra" / "config.yaml")
     return run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny parity run with a checkpoint, for scripts/eval_long.py."""
+    return trained_run(tmp_path_factory.mktemp("trained") / "run", "data=parity", "model=gru")
 
 
 BAD_OPTIONS = [
@@ -217,6 +247,21 @@ def test_eval_long_refuses_a_missing_run_dir_and_a_metric_its_task_lacks(trained
     err = capsys.readouterr().err
     assert err == "eval_long: error: argument --metric: got 'mse', allowed for the parity task of " \
                   f"{trained}: loss, accuracy\n"
+
+
+def test_eval_long_refuses_a_text_run_in_one_line_naming_what_evaluates_it(tmp_path, capsys):
+    """A data=text run (its train state carries its streams' model state) has no lengths: refused before anything
+    is restored or compiled, pointing to the run's own evaluation (data.eval_streams), not a checkpoint error."""
+    from conftest import TEXT_FIXTURE_DATA
+
+    run = trained_run(tmp_path / "run", *TEXT_FIXTURE_DATA, "model=lstm", "num_layers=1", "batch_size=4",
+                      "data.seq_len=8", "data.eval_streams=2")
+    capsys.readouterr()  # the training's own lines
+    assert load_eval_long().main([str(run), "--lengths", "1000"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"eval_long: error: argument RUN_DIR: {run} trained data=text, which has no lengths")
+    assert "data.eval_streams" in err and "allowed: " in err and "move them away" not in err
 
 
 # End to end: train.py and eval_long.py signalled during a long evaluation.

@@ -99,14 +99,25 @@ def cell_overrides(cell, options=()):
     scans = CELLS[cell].time_scans
     default = [] if "sequential" in scans or any(o.startswith("model.time_scan=") for o in options) else [
         f"model.time_scan={scans[0]}"]
+    # The default config's recurrence is custom_vjp (rnn's); a form without a hand-written backward refuses it.
+    form = next((o.split("=", 1)[1] for o in [*options, *default] if o.startswith("model.time_scan=")), "sequential")
+    if not any(o.startswith("model.recurrence=") for o in options) and not _backward_in(cell, form):
+        default.append("model.recurrence=autodiff")
     return [f"model.cell={cell}", *default]
+
+
+def _backward_in(cell, form):
+    """Whether `model.recurrence=custom_vjp` runs a hand-written backward for `cell` in `form` (else it is refused)."""
+    return form in CELLS[cell](hidden_dim=8).custom_vjp_forms()
 
 
 def _applies(cell, options):
     """remat is for cells run step by step; a time scan for the cells that have that form."""
     cls = CELLS[cell]
     scans = [o.split("=", 1)[1] for o in options if o.startswith("model.time_scan=")]
-    return not (issubclass(cls, SequenceCell) and "model.remat=true" in options) and all(t in cls.time_scans for t in scans)
+    vjp = "model.recurrence=custom_vjp" not in options or _backward_in(cell, (scans or ["sequential"])[0])
+    return (not (issubclass(cls, SequenceCell) and "model.remat=true" in options) and all(t in cls.time_scans for t in scans)
+            and vjp)
 
 
 # The fast tier: each cell with the default options, and each option with the first cell it applies to.

@@ -216,6 +216,46 @@ def test_what_the_streams_cannot_do_is_refused_in_one_line(override, key, tmp_pa
     assert line.startswith(f"rnnlab: error: {key}")
 
 
+def planned(config, workdir):
+    """`rnnlab.setup.plan` of `config` on one device: every refusal before anything is allocated or compiled."""
+    from rnnlab.checkpoint import Checkpointer
+    from rnnlab.setup import plan
+
+    checkpointer = Checkpointer(workdir / "checkpoints", 0, 1)
+    try:
+        return plan(config, workdir, jax.devices()[:1], checkpointer)
+    finally:
+        checkpointer.close()
+
+
+def test_eval_streams_that_cannot_fit_are_refused_before_training_naming_data_eval_streams(tmp_path, monkeypatch):
+    """The memory pre-check counts the held-out text's evaluation: every stream's rows of state and its forwards
+    (logits of 256 bytes a position) beside the train state; too many streams are refused naming
+    data.eval_streams and about how many fit, not the keys that size training."""
+    from rnnlab import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda devices: 2.0**30)
+    planned(text_config(), tmp_path / "few")  # data.eval_streams=3 fits
+    with pytest.raises(memory.OutOfMemoryError) as info:  # 100,000 streams: about 3.6 GiB of logits alone
+        planned(text_config("data.eval_streams=100000"), tmp_path / "many")
+    message = str(info.value)
+    assert message.startswith("key 'data.eval_streams': evaluating the held-out text through 100,000 streams")
+    assert "allowed: fewer data.eval_streams (at most about " in message and "hidden_dim" not in message
+    assert "\n" not in message
+
+
+def test_an_out_of_memory_evaluation_is_named_by_the_keys_that_size_it():
+    try:
+        jax.numpy.zeros((2**46,), jax.numpy.int8).block_until_ready()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    from rnnlab import memory
+
+    text = str(memory.out_of_memory_error(error, text_config("data.eval_streams=7"), evaluating=True))
+    assert text.startswith("out of memory in an evaluation (") and "data.eval_streams=7" in text
+    assert "hidden_dim" not in text and "\n" not in text
+
+
 def test_offline_an_unprepared_corpus_exits_2_in_one_line(tmp_path):
     result = run_train(["data=text", "steps=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
                        env_extra={"XDG_CACHE_HOME": str(tmp_path / "empty"), "RNNLAB_OFFLINE": "1"})
@@ -240,6 +280,64 @@ def test_sampling_at_temperature_0_or_top_1_is_greedy_and_a_seed_repeats():
     b, _ = decode.sample(model, state.params, carry, first, 12, key, 1.0, 5)
     np.testing.assert_array_equal(a, b)
     assert ((0 <= np.asarray(a)) & (np.asarray(a) < 256)).all()
+
+
+def load_sample_py():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sample", ROOT / "scripts" / "sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trained_text_run(run):
+    """A tiny data=text run with its checkpoint and the .hydra/config.yaml train.py writes, trained in process."""
+    from omegaconf import OmegaConf
+
+    from rnnlab import config as cfg
+    from rnnlab.trainer import train_and_evaluate
+
+    config = text_config("num_layers=1", "data.seq_len=8", "data.eval_streams=2", "steps=2", "eval_every=2",
+                         "checkpoint.every=2")
+    train_and_evaluate(config, run)
+    (run / ".hydra").mkdir()
+    OmegaConf.save(OmegaConf.create(json.loads(json.dumps(cfg.to_dict(config)))), run / ".hydra" / "config.yaml")
+    return run
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--length", "2147483648"], "argument --length: got '2147483648', allowed: a whole number from 1 to 1,000,000"),
+    (["--length", "100000000"], "argument --length: got '100000000', allowed: a whole number from 1 to 1,000,000"),
+    (["--samples", "100000000"], "argument --samples: got '100000000', allowed: a whole number from 1 to 1,024"),
+])
+def test_sample_py_bounds_what_it_draws_in_one_line(tmp_path, capsys, args, message):
+    """sample.py draws every byte in one loop nothing stops: --length and --samples have a stated bound (the
+    length's message says why), refused before anything loads (no OverflowError, no hours-long loop)."""
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "config.yaml").write_text("{}")
+    with pytest.raises(SystemExit) as info:
+        load_sample_py().parser().parse_args([str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("sample: error: " + message), err
+
+
+def test_sample_py_refuses_a_file_or_unreadable_checkpoints_as_run_dir_in_one_line(tmp_path, capsys):
+    sample = load_sample_py()
+    run = trained_text_run(tmp_path / "run")
+    capsys.readouterr()  # the training's own lines
+    with pytest.raises(SystemExit) as info:  # a file is not a run dir
+        sample.parser().parse_args([str(run / "results.json")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"sample: error: argument RUN_DIR: '{run / 'results.json'}' is not a run dir of train.py")
+    for stored in (run / "checkpoints" / "2" / "state").rglob("*"):  # every file of the saved state damaged
+        if stored.is_file():
+            stored.write_bytes(b"damaged")
+    assert sample.main([str(run), "--length", "5"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"sample: error: argument RUN_DIR: no checkpoint in {run / 'checkpoints'} can be restored")
 
 
 @pytest.mark.slow

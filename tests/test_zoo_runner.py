@@ -3,6 +3,7 @@ the protocol's order (seed 0's grid, then the other seeds at the lr the rule cho
 records, and a page that the same records regenerate byte for byte. The real train.py runs in
 tests/test_zoo_end_to_end.py (full tier)."""
 
+import dataclasses
 import json
 import os
 import sys
@@ -17,8 +18,10 @@ from rnnlab.zoo.protocol import Setting, Table, choose_lr
 KIND = "CPU"  # every CPU model is one kind of device
 MACHINE = "CPU (Stand-in, 2 cores)"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-# Seed 0's score by (cell, lr): gru ties at 1e-3 and 3e-3 (the smaller wins); rnn diverges at 3e-3.
-SCORES = {("rnn", "0.001"): 0.6, ("rnn", "0.003"): None, ("rnn", "0.01"): 0.7,
+# Seed 0's score by (cell, lr): gru ties at 1e-3 and 3e-3 (the smaller wins); rnn diverges at 3e-3 and is best at
+# 1e-2, the grid's top, so the edge rule trains 3e-2 (worse: 1e-2 is chosen).
+SCORES = {("rnn", "0.0001"): 0.5, ("rnn", "0.0003"): 0.8,
+          ("rnn", "0.001"): 0.6, ("rnn", "0.003"): None, ("rnn", "0.01"): 0.7, ("rnn", "0.03"): 0.65,
           ("gru", "0.001"): 0.9, ("gru", "0.003"): 0.9, ("gru", "0.01"): 0.5}
 
 FAKE_TRAIN = '''
@@ -85,23 +88,25 @@ def test_the_rule_chooses_on_seed_0_ties_to_the_smaller_lr_and_skips_failures():
 def test_the_grid_runs_on_seed_0_then_the_seeds_at_the_chosen_lr_and_a_rerun_runs_nothing(tmp_path, code):
     table = tiny_table()
     exit_code, lines = run_once(tmp_path, code, table)
-    assert exit_code == 0 and lines[-1].startswith("[10/10]") and "done" in lines[-1]
+    assert exit_code == 0 and lines[-1].startswith("[11/11]") and "done" in lines[-1]
     jobs = starts(tmp_path)
-    assert len(jobs) == 10
-    # Every seed-0 job of a setting starts before that setting's other seeds, which run at the chosen lr only.
-    for cell, chosen in (("rnn", "1e-2"), ("gru", "1e-3")):
+    assert len(jobs) == 11
+    # Every seed-0 job of a setting (the edge rule's 3e-2 for rnn too) starts before that setting's other seeds,
+    # which run at the chosen lr only.
+    for cell, chosen, grid in (("rnn", "1e-2", 4), ("gru", "1e-3", 3)):
         mine = [j for j in jobs if j["model"] == cell]
-        assert [j["seed"] for j in mine[:3]] == ["0"] * 3
-        assert {(j["optimizer.lr"], j["seed"]) for j in mine[3:]} == {(chosen, "1"), (chosen, "2")}
+        assert [j["seed"] for j in mine[:grid]] == ["0"] * grid
+        assert {(j["optimizer.lr"], j["seed"]) for j in mine[grid:]} == {(chosen, "1"), (chosen, "2")}
+    assert [j["optimizer.lr"] for j in jobs if j["model"] == "rnn"][3] == "3e-2"
     recs = records.read_table(tmp_path / "docs", "tiny")
-    assert len(recs) == 10 and {r["provenance"]["commit"] for r in recs} == {COMMIT}
+    assert len(recs) == 11 and {r["provenance"]["commit"] for r in recs} == {COMMIT}
     assert {r["status"] for r in recs} == {"completed", "diverged"}
     # Done jobs are not run again, from the run dirs or, on another machine, from the committed records alone.
-    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 10
+    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 11
     import shutil
 
     shutil.rmtree(tmp_path / "out" / "tiny")
-    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 10
+    assert run_once(tmp_path, code, table)[0] == 0 and len(starts(tmp_path)) == 11
 
 
 def test_records_of_another_commit_or_device_do_not_count_but_another_cpu_model_does(tmp_path, code):
@@ -210,7 +215,7 @@ def test_before_a_deadline_only_jobs_predicted_to_end_in_time_start(tmp_path, co
                                                  for lr in table.lrs])
     exit_code, lines = run_once(tmp_path, code, table, deadline=time.time() + 60)
     assert exit_code == 75
-    assert {j["model"] for j in starts(tmp_path)} == {"rnn"} and len(starts(tmp_path)) == 5
+    assert {j["model"] for j in starts(tmp_path)} == {"rnn"} and len(starts(tmp_path)) == 6  # the edge rule's 3e-2 too
     assert lines[-1].startswith("deadline in ") and "the 3 ready jobs are predicted to end after it" in lines[-1]
     assert not any("stopping" in line for line in lines)
 
@@ -292,12 +297,13 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
     assert first == page.build(docs, {"tiny": table})[0]
     assert f"Commit `{COMMIT[:12]}` on {KIND}" in first and "2 of 2 settings under the protocol" in first
     row = next(line for line in first.splitlines() if line.startswith("| gru |") and "±" in line)
-    assert "| 0.9 ± 0 |" in row and "| 1e-3 | 3 | **0.9** / 0.9 / 0.5 |" in row
+    assert "| 0.9 ± 0 |" in row and "| 1e-3 | 3 | 1e-3 **0.9** / 3e-3 0.9 / 1e-2 0.5 |" in row
     rnn = next(line for line in first.splitlines() if line.startswith("| rnn |") and "±" in line)
-    assert "0.6 / diverged / **0.7**" in rnn
+    # rnn's 1e-2 beat a diverged 3e-3 at the grid's top: the edge rule tried 3e-2 (worse), so 1e-2 is inner now; gru's
+    # 1e-3 is a tie, chosen by the rule, not a slope.
+    assert "1e-3 0.6 / 3e-3 diverged / 1e-2 **0.7** / 3e-2 0.65" in rnn
     assert "| rnn | ✓ |" in first  # the coverage matrix
-    # rnn's 1e-2 beat a diverged 3e-3: its best lr may lie above the grid; gru's 1e-3 is a tie, chosen by the rule.
-    assert "at the next lr in: 1 of 2 settings at its largest, 1e-2 (rnn). Their best lr may lie beyond" in first
+    assert "Stopped at the edge rule's bound" not in first and "Not final" not in first
 
     # gru's seeds 1 and 2 ran on another CPU model (a later session's machine): the table keeps them, names both
     # machines in its header, and each row's tokens/s says on which it was measured.
@@ -309,28 +315,82 @@ def test_the_page_is_built_from_the_records_alone_and_again_byte_for_byte(tmp_pa
             r["tokens_per_sec"] = 300.0
     path.write_text("".join(json.dumps(r) + "\n" for r in lines))
     mixed = page.build(docs, {"tiny": table})[0]
-    assert (f"Commit `{COMMIT[:12]}` on CPU, 2 machines (A = CPU (Stand-in, 2 cores), 8 jobs; B = CPU (Other, 4 cores), 2 jobs)"
+    assert (f"Commit `{COMMIT[:12]}` on CPU, 2 machines (A = CPU (Stand-in, 2 cores), 9 jobs; B = CPU (Other, 4 cores), 2 jobs)"
             in mixed and "2 of 2 settings under the protocol" in mixed)
     assert "| 300 (B) |" in next(line for line in mixed.splitlines() if line.startswith("| gru |") and "±" in line)
     assert "| 100 (A) |" in next(line for line in mixed.splitlines() if line.startswith("| rnn |") and "±" in line)
 
 
-def test_the_page_names_the_settings_whose_choice_is_an_end_of_the_grid_by_a_slope_not_a_tie():
-    table = tiny_table(("rnn", "gru", "lstm", "lru"))
+def test_the_page_names_the_settings_stopped_at_the_bound_and_those_waiting_on_the_edge_rule():
+    table = tiny_table(("rnn", "gru", "lstm"))
 
-    def row(setting, scores):  # seed 0's score at 1e-3, 3e-3, 1e-2 (None: diverged)
-        grid = {lr: {"status": "completed" if s is not None else "diverged", "metrics": {"8": {"accuracy": s}}}
-                for lr, s in zip(table.lrs, scores)}
-        lr = choose_lr({lr: records.score(r, table) for lr, r in grid.items()}, True)
-        return page.Row(setting, grid, lr, [], True)
+    def row(setting, scores):  # seed 0's score by lr (None: diverged); seeds 1 and 2 done at the best so far
+        grid = {lr: {"lr": lr, "seed": 0, "status": "completed" if s is not None else "diverged",
+                     "metrics": {"8": {"accuracy": s}}} for lr, s in scores.items()}
+        seeds = [{"lr": lr, "seed": seed, "status": "completed", "metrics": {"8": {"accuracy": 0.5}}}
+                 for seed in (1, 2) for lr in (max(scores, key=lambda k: scores[k] or 0),)]
+        return page.rows_of(table, [dict(r, setting=setting) for r in [*grid.values(), *seeds]], [setting])[0]
 
-    rows = [row("rnn", (0.9, 0.8, 0.1)), row("gru", (0.9, 0.9, 0.1)), row("lstm", (0.1, 0.5, 0.6)),
-            row("lru", (0.1, 0.7, 0.6))]
+    rows = [row("rnn", {1e-3: 0.9, 3e-3: 0.8, 1e-2: 0.1}), row("gru", {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6, 3e-2: 0.7}),
+            row("lstm", {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6})]
+    assert [(r.complete, r.provisional, r.lr) for r in rows] == [(False, True, 1e-3), (True, False, 3e-2),
+                                                                 (False, True, 1e-2)]
     assert page.grid_ends(rows, table) == (
-        "Chosen at an end of the lr grid, and better there than at the next lr in: 1 of 4 settings at its largest, "
-        "1e-2 (lstm); 1 of 4 settings at its smallest, 1e-3 (rnn). Their best lr may lie beyond the grid; the "
-        "protocol does not widen a grid after seeing its results.")
-    assert page.grid_ends(rows[1:2] + rows[3:], table) is None  # a tie at the smallest, an inner lr
+        "Stopped at the edge rule's bound (1e-4 to 3e-2): 1 of 3 settings chose an end of the lrs tried and scored "
+        "better there than one lr in (gru); their best lr may lie beyond the bound.")
+    assert page.edge_waiting(rows, table).endswith(
+        ": rnn (best so far 1e-3, next 3e-4), lstm (best so far 1e-2, next 3e-2).")
+    assert page.grid_ends(rows[2:], table) is None and page.edge_waiting(rows[1:2], table) is None
+    # A row whose own grid is not done is in progress, neither final nor marked.
+    partial = row("rnn", {1e-3: 0.9, 3e-3: 0.8})
+    assert (partial.complete, partial.provisional, partial.lr, partial.choice.pending) == (False, False, None, (1e-2,))
+
+
+def test_the_edge_rule_extends_stops_inside_stops_at_the_bound_keeps_ties_and_moves_the_choice():
+    table = tiny_table()  # grid 1e-3, 3e-3, 1e-2 (higher is better), bound 1e-4 to 3e-2
+    edge = protocol.edge_choice
+    # The best is the top and strictly better than its neighbour: the next half decade out, then nothing else.
+    assert edge(table, {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6}).pending == (3e-2,)
+    assert edge(table, {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6}).lr is None  # no choice (and no seeds) until it has run
+    # ... it ran and is worse: the choice is the now inner 1e-2; better: it is the bound, so the choice stops there.
+    inner = edge(table, {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6, 3e-2: 0.55})
+    assert (inner.lr, inner.final, inner.at_bound, inner.lrs) == (1e-2, True, False, (1e-3, 3e-3, 1e-2, 3e-2))
+    bound = edge(table, {1e-3: 0.1, 3e-3: 0.5, 1e-2: 0.6, 3e-2: 0.7})
+    assert (bound.lr, bound.final, bound.at_bound) == (3e-2, True, True)
+    # Downward, twice, to the bound: 1e-3 -> 3e-4 -> 1e-4.
+    assert edge(table, {1e-3: 0.9, 3e-3: 0.5, 1e-2: 0.1}).pending == (3e-4,)
+    assert edge(table, {1e-3: 0.9, 3e-3: 0.5, 1e-2: 0.1, 3e-4: 0.95}).pending == (1e-4,)
+    low = edge(table, {1e-3: 0.9, 3e-3: 0.5, 1e-2: 0.1, 3e-4: 0.95, 1e-4: 0.97})
+    assert (low.lr, low.at_bound) == (1e-4, True)
+    # A tie at an end chose the smaller lr by rule, not by a slope: no extension. An inner best: none either.
+    assert edge(table, {1e-3: 0.9, 3e-3: 0.9, 1e-2: 0.1}).lr == 1e-3
+    assert edge(table, {1e-3: 0.5, 3e-3: 0.9, 1e-2: 0.1}).lrs == (1e-3, 3e-3, 1e-2)
+    # A neighbour that diverged scores nothing: an end that converged is better than it.
+    assert edge(table, {1e-3: 0.6, 3e-3: None, 1e-2: 0.7}).pending == (3e-2,)
+    # The spacing is the grid's own: a two-point grid on the 1-3 ladder goes 3e-3 -> 1e-2; another grid, its ratio.
+    assert protocol.lr_outward((1e-3, 3e-3), 3e-3, True) == 1e-2
+    assert protocol.lr_outward((2e-3, 4e-3), 4e-3, True) == 8e-3 and protocol.lr_outward((2e-3, 4e-3), 2e-3, False) == 1e-3
+
+
+def test_a_choice_the_edge_rule_moves_reruns_the_seeds_at_the_new_lr(tmp_path, code):
+    """A table whose grid (1e-3, 3e-3) chose rnn's 1e-3 (3e-3 diverged) and ran its seeds there before the edge rule:
+    1e-3 is an end and better than its neighbour, so seed 0 trains 3e-4 (better: the choice moves), then 1e-4 (worse:
+    3e-4 is inner); seeds 1 and 2 run again at 3e-4, and the page reports those. The old seeds keep their records."""
+    table = dataclasses.replace(tiny_table(("rnn",)), lrs=(1e-3, 3e-3))
+    done = {"status": "completed", "step": 6, "wall_seconds": 1.0,
+            "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}}
+    old = [records.record_from_results(table, table.settings[0], lr, seed, dict(done, eval_metrics={"accuracy": a}),
+                                       "x") for lr, seed, a in ((1e-3, 0, 0.6), (3e-3, 0, None), (1e-3, 1, 0.6),
+                                                                (1e-3, 2, 0.6))]
+    old[1]["status"] = "diverged"
+    records.merge(tmp_path / "docs", table, old)
+    assert run_once(tmp_path, code, table)[0] == 0
+    ran = [(j["optimizer.lr"], j["seed"]) for j in starts(tmp_path)]
+    assert ran[:2] == [("3e-4", "0"), ("1e-4", "0")] and sorted(ran[2:]) == [("3e-4", "1"), ("3e-4", "2")]
+    assert len(records.read_table(tmp_path / "docs", "tiny")) == 8  # every job kept, the old seeds too
+    rnn = next(line for line in page.build(tmp_path / "docs", {"tiny": table})[0].splitlines()
+               if line.startswith("| rnn |") and "±" in line)
+    assert "| 3e-4 | 3 | 1e-4 0.5 / 3e-4 **0.8** / 1e-3 0.6 / 3e-3 diverged |" in rnn
 
 
 def test_the_cli_refuses_bad_input_in_one_line(capsys):
@@ -398,8 +458,30 @@ def test_a_text_table_chooses_on_validation_bpc_lower_is_better_and_reports_the_
     assert records.score(new[0], table) == 2.5
     records.merge(tmp_path, table, new)
     text = page.build(tmp_path, {"tinytext": table})[0]
-    assert "| setting | bpc@valid | bpc@test | bpc_reset@test | lr | seeds | seed 0 @valid: 1e-3 / 3e-3 |" in text
+    assert "| setting | bpc@valid | bpc@test | bpc_reset@test | lr | seeds | seed 0 @valid: lr value |" in text
     row = next(line for line in text.splitlines() if line.startswith("| lstm |") and "±" in line)
-    assert row.startswith("| lstm | 2.3 ± 0.1 | 2.35 ± 0.1 | 2.5 ± 0.1 | 3e-3 | 3 | 2.5 / **2.2** |"), row
+    # 3e-3 is the top of the grid and better than 1e-3: shown, marked not final, until the edge rule's 1e-2 has run.
+    assert row.startswith("| lstm | 2.3 ± 0.1 | 2.35 ± 0.1 | 2.5 ± 0.1 | 3e-3 † | 3 | 1e-3 2.5 / 3e-3 **2.2** / "
+                          "1e-2 not run |"), row
     assert "![" not in text  # no plot against length for a table of splits
-    assert "at the next lr in: 1 of 1 settings at its largest, 3e-3. Their" in text
+    assert "0 of 1 settings under the protocol" in text and "lstm (best so far 3e-3, next 1e-2)" in text
+    records.merge(tmp_path, table, [records.record_from_results(table, table.settings[0], 1e-2, 0, results(3e-3, 2),
+                                                                "j9")])  # 2.4 at 1e-2: 3e-3 stays, now inner
+    text = page.build(tmp_path, {"tinytext": table})[0]
+    row = next(line for line in text.splitlines() if line.startswith("| lstm |") and "±" in line)
+    assert "| 3e-3 | 3 | 1e-3 2.5 / 3e-3 **2.2** / 1e-2 2.4 |" in row and "1 of 1 settings under the protocol" in text
+    assert "Not final" not in text
+
+
+def test_the_page_deletes_plots_it_no_longer_draws_and_links_only_tables_it_shows(tmp_path, code):
+    table = tiny_table()
+    assert run_once(tmp_path, code, table)[0] == 0
+    docs = tmp_path / "docs"
+    (docs / "results_gone.png").write_bytes(b"a plot no record draws")
+    (docs / "history.png").write_bytes(b"not the page's")
+    empty = dataclasses.replace(tiny_table(("lstm",)), key="empty", title="Empty")  # no records: not on the page
+    written = page.write(docs, {"tiny": table, "empty": empty})
+    assert [p.name for p in written] == ["results.md", "results_tiny.png"]
+    assert not (docs / "results_gone.png").exists() and (docs / "history.png").exists()
+    text = (docs / "results.md").read_text()
+    assert "[Tiny parity](#tiny-parity)" in text and "| cell | [Tiny parity](#tiny-parity) | Empty |" in text

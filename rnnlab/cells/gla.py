@@ -33,6 +33,7 @@ class GLA(MatrixCell):
     name = "gla"
     output_gate = True
     time_scans = ("sequential", "associative", "chunked")
+    backward_forms = ("associative",)  # custom_vjp: linear_recurrence's backward; the others by autodiff
     gated = True
 
     def extra_width(self):

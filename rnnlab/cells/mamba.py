@@ -178,6 +178,7 @@ class Mamba(SequenceCell):
 
     name = "mamba"
     time_scans = ("sequential", "associative", "chunked")
+    backward_forms = time_scans  # custom_vjp: linear_recurrence's backward, the chunked form's `selective_ssm`
     default_recurrence = "custom_vjp"  # conf/model/mamba.yaml's (init: SequenceCell's default)
     # model.time_scan=auto: the chunked form at every length (its hand-written backward: the fastest form at
     # T=16 and 64 on CPU, docs/benchmarks.md "Step time at the zoo's shapes")

@@ -216,10 +216,29 @@ class Cell:
     def has_hidden_from_saved(self) -> bool:
         return type(self).hidden_from_saved is not Cell.hidden_from_saved
 
+    # The forms (`time_scans`) that run a hand-written backward under `model.recurrence=custom_vjp`; in any other
+    # form the layer differentiates by autodiff, so the config refuses custom_vjp there. None: every form of a cell
+    # that overrides `backward` (its step's, scanned by `rnnlab.recurrence`), none of one that does not. A
+    # `SequenceCell` whose forms call a hand-written backward (`rnnlab.recurrence.linear_recurrence`, its own
+    # custom_vjp) names them.
+    backward_forms: ClassVar[tuple[str, ...] | None] = None
+
+    def custom_vjp_forms(self) -> tuple[str, ...]:
+        """The forms in which `model.recurrence=custom_vjp` runs a hand-written backward (`backward_forms`)."""
+        if self.backward_forms is not None:
+            return self.backward_forms
+        return self.time_scans if type(self).backward is not Cell.backward else ()
+
     @property
     def has_backward(self) -> bool:
-        """Whether this cell has a hand-written backward (`model.recurrence=custom_vjp`)."""
-        return type(self).backward is not Cell.backward
+        """Whether this cell has a hand-written backward (`model.recurrence=custom_vjp`) in any of its forms."""
+        return bool(self.custom_vjp_forms())
+
+    def has_backward_in(self, time_scan: str) -> bool:
+        """Whether `model.recurrence=custom_vjp` runs a hand-written backward in the form `time_scan` (`auto`: in
+        every form, since it may pick any)."""
+        forms = self.custom_vjp_forms()
+        return all(f in forms for f in self.time_scans) if time_scan == "auto" else time_scan in forms
 
     def backward(self, params: Params, u: jax.Array, b: jax.Array, hs: jax.Array, saved: Any, g: jax.Array,
                  unroll: int) -> tuple[jax.Array, Params]:
@@ -263,7 +282,7 @@ class Cell:
 class SequenceCell(Cell):
     """A time mixer the layer hands the whole sequence at once (`mix`): it has no `step`, and the
     layer never runs one step at a time. Its forms (`time_scans`) are its own; it differentiates
-    by autodiff through them or by a backward they write by hand."""
+    by autodiff through them or, in the forms it names in `backward_forms`, by a backward they write by hand."""
 
     default_init: ClassVar[str] = "default"
 
@@ -287,10 +306,6 @@ class SequenceCell(Cell):
     def initial_state(self, batch, dtype, cache_len=0):
         raise NotImplementedError
 
-    @property
-    def has_backward(self) -> bool:
-        return True  # each form's own, or autodiff through it where it has none
-
     def recurrent_flops(self) -> int:
         return 0
 
@@ -306,6 +321,7 @@ class LinearCell(SequenceCell):
     """
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential", "associative")
+    backward_forms: ClassVar[tuple[str, ...] | None] = ("sequential", "associative")  # linear_recurrence's
     default_recurrence: ClassVar[str] = "custom_vjp"
     default_time_scan: ClassVar[str | None] = "sequential"
 

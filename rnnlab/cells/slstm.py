@@ -75,6 +75,7 @@ class SLSTM(SequenceCell):
     conv_size: int = allowed(4, low=0, note="0 = no convolution")
 
     time_scans: ClassVar[tuple[str, ...]] = ("sequential",)
+    backward_forms: ClassVar[tuple[str, ...] | None] = ("sequential",)  # `backward`, through rnnlab.recurrence
     default_recurrence: ClassVar[str] = "custom_vjp"  # conf/model/slstm.yaml's (init: SequenceCell's)
     default_time_scan: ClassVar[str | None] = "sequential"
 

@@ -66,6 +66,9 @@ class Task:
     output_dim: ClassVar[int]  # width of the model's output at each time step
     min_seq_len: ClassVar[int] = 1  # the shortest `seq_len` the task is defined for
     token_inputs: ClassVar[bool] = False  # inputs are int32[T] token ids, not f32[T, input_dim]
+    # The task's options (`data.<name>`) that change how it is evaluated and nothing of its training: a resume,
+    # or a finished run's rerun, may change them as it may `data.eval_seq_lens` (`rnnlab.rundir`).
+    eval_options: ClassVar[tuple[str, ...]] = ()
 
     @property
     def padding_id(self) -> int:
@@ -235,6 +238,21 @@ TASKS: Registry[type[Task]] = Registry("task")
 register_task = TASKS.register  # class decorator: make a Task subclass available as `data.task=<its name>`
 get_task = TASKS.get_class
 task_names = TASKS.names
+
+
+def carries_state(task: Task | type[Task]) -> bool:
+    """Whether `task` (a task or its class) trains by truncated backpropagation through time over contiguous
+    streams (it defines `sample_step`: data=text): its train state carries every stream's model state from step to
+    step (`rnnlab.steps.CarryTrainState`), so its runs train one at a time and have no lengths to evaluate at."""
+    return callable(getattr(task, "sample_step", None))
+
+
+def eval_option_keys(name: str) -> tuple[str, ...]:
+    """The config keys (`data.<option>`) of the registered task `name`'s `eval_options`; () for a name not
+    registered."""
+    if name not in TASKS:
+        return ()
+    return tuple(f"data.{option}" for option in get_task(name).eval_options)
 
 
 def make_task(config: Any) -> Task:

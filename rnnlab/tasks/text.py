@@ -70,6 +70,7 @@ class TextTask(Task):
     output_dim = textdata.VOCAB_SIZE
     min_seq_len = 1
     token_inputs = True
+    eval_options = ("eval_streams",)  # how the held-out text is cut for evaluation: training never reads it
 
     def check(self) -> None:
         """The declared ranges, then the held-out documents against the corpus's names (no download: a

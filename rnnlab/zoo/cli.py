@@ -7,25 +7,28 @@
     python -m rnnlab.zoo page                          # docs/results.md and its plots, from the records alone
     python -m rnnlab.zoo run core --cell mycell -- imports=[mycells] hydra.searchpath=[file://conf_extra]
 
-Exit codes: 0 done, 1 a job ended without a final status, 2 bad input, 75 stopped at the deadline (run again).
+Exit codes: 0 done, 1 a job ended without a final status, 2 bad input (a damaged records line too), 74 a folder
+it must write (--out, --docs) cannot be written, 75 stopped at the deadline or by a signal (run again), 130 Ctrl-C.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import sys
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from rnnlab.zoo import protocol, records, runner
 from rnnlab.zoo.protocol import Table
-from rnnlab.zoo.runner import ZooError
+from rnnlab.zoo.runner import ZooError, ZooUnwritable
 
 DEFAULT_OUT = Path("zoo_runs")
+EXIT_BAD_INPUT, EXIT_CANNOT_WRITE, EXIT_ABORTED = 2, 74, 130
 
 
 def duration_seconds(text: str) -> float:
@@ -50,6 +53,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def commit_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("got '', allowed: a commit (a sha, branch or tag); leave the option out for "
+                                         "the suite's recorded commit")
+    return text.strip()
+
+
 EPILOG_OVERRIDES = ("Overrides for every job go after --: keys the protocol leaves free (imports, hydra.searchpath, "
                     "checkpoint.*, device.*).")
 
@@ -67,7 +77,7 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
         s.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"the run dirs ({DEFAULT_OUT})")
 
     def running(s: argparse.ArgumentParser) -> None:
-        s.add_argument("--commit", help="the commit to run (default: the suite's recorded commit, else HEAD)")
+        s.add_argument("--commit", type=commit_text, help="the commit to run (default: the suite's recorded commit, else HEAD)")
         s.add_argument("--parallel", type=positive_int, help="units side by side (default: one per core on a CPU "
                        "with the processes executor, else 1)")
         s.add_argument("--executor", choices=("processes", "population"), default="processes")
@@ -97,7 +107,7 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
 def selected(args: argparse.Namespace, tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> list[Table]:
     chosen = [tables[k] for k in suites[args.suite]] if args.suite in suites else [tables[args.suite]]
     if getattr(args, "cell", None):
-        chosen = [protocol.with_cells(t, args.cell) for t in chosen]
+        chosen = [protocol.with_cells(t, list(dict.fromkeys(args.cell))) for t in chosen]
     return chosen
 
 
@@ -107,7 +117,29 @@ def pinned_commit(root: Path, docs: Path, tables: Sequence[Table], kind: str, re
         return runner.resolve_commit(root, ref)
     commits = collections.Counter(records.commit_of(r) for t in tables for r in records.read_table(docs, t.key)
                                   if records.kind_of(r) == kind and records.commit_of(r))
-    return runner.resolve_commit(root, commits.most_common(1)[0][0] if commits else "HEAD")
+    if not commits:
+        return runner.resolve_commit(root, "HEAD")
+    recorded = commits.most_common(1)[0][0]
+    try:
+        return runner.resolve_commit(root, recorded)
+    except ZooError:
+        raise ZooError(f"the suite's records were made at commit {recorded[:12]}, which {root} does not hold (a "
+                       "shallow clone?): `git fetch --unshallow` to go on with it, or --commit HEAD to start the "
+                       "tables again at another commit") from None
+
+
+def check_docs(docs: Path) -> None:
+    if not Path(docs).is_dir():
+        raise ZooError(f"option '--docs': {docs} is not a folder; allowed: the folder that holds zoo/records/ (run "
+                       "from the repository's root, or pass --docs PATH/docs)")
+
+
+def warn_if_dirty(root: Path, commit: str) -> None:
+    """The jobs run the pinned commit from its worktree: say so when the checkout has changes they will not see."""
+    changed = runner.git(root, "status", "--porcelain", "--untracked-files=no")
+    if changed:
+        print(f"zoo: note: {root} has uncommitted changes; the jobs run commit {commit[:12]} from its worktree, "
+              "without them (commit them and pass --commit HEAD to run them)", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None = None,
@@ -123,6 +155,7 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
         print(f"zoo: error: overrides after -- belong to plan and run, not {args.command}", file=sys.stderr)
         return 2
     try:
+        check_docs(args.docs)
         if args.command == "page":
             from rnnlab.zoo import page
 
@@ -143,37 +176,63 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
         root = runner.repo_root()
         kind, name = runner.this_machine()
         commit = pinned_commit(root, args.docs, chosen, kind, args.commit)
-        code = runner.worktree(root, commit, args.out)
-        ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind, name)
-        cpu = kind.startswith("CPU")
-        parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
-        if args.command == "plan":
-            if args.probe:
-                probe(code, chosen, args.out, ledger)
+        with contextlib.ExitStack() as held:
+            if args.command == "run":
+                held.enter_context(runner.RunnerLock(args.out))  # before the worktree: one runner makes it
+            code = runner.worktree(root, commit, args.out)
+            runner.check_configs(code, chosen, args.overrides)
+            ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind, name)
+            cpu = kind.startswith("CPU")
+            parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
+            if args.command == "plan":
+                if args.probe:
+                    probe(code, chosen, args.out, ledger, args.overrides)
+                runner.print_plan(ledger, chosen, parallel)
+                return 0
+            warn_if_dirty(root, commit)
+            executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
+            executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")
+            deadline = time.time() + args.deadline if args.deadline else float("inf")
+
+            def ours(record: dict) -> bool:
+                return records.commit_of(record) == commit and records.kind_of(record) == kind
+
+            def record(done: list[dict]) -> None:
+                for table in chosen:
+                    mine = [r for r in done if r["table"] == table.key]
+                    if mine:
+                        records.merge(args.docs, table, mine)
+
+            # Jobs that reached a final status with no runner there to record them (a runner killed, or a records
+            # write that failed): recorded before anything starts, and again at the end.
+            added = collect(args.out, args.docs, chosen, keep=ours)
+            if added:
+                print(f"zoo: {added} record(s) of jobs that ended after their runner was gone, now recorded")
             runner.print_plan(ledger, chosen, parallel)
-            return 0
-        executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
-        executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")
-        deadline = time.time() + args.deadline if args.deadline else float("inf")
-        runner.print_plan(ledger, chosen, parallel)
-
-        def record(done: list[dict]) -> None:
-            for table in chosen:
-                mine = [r for r in done if r["table"] == table.key]
-                if mine:
-                    records.merge(args.docs, table, mine)
-
-        return runner.run(ledger, chosen, executor, parallel, deadline, args.grace, on_done=record)
+            try:
+                return runner.run(ledger, chosen, executor, parallel, deadline, args.grace, on_done=record)
+            finally:
+                collect(args.out, args.docs, chosen, keep=ours)
     except ZooError as e:
         print(f"zoo: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except records.RecordsError as e:
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (ZooUnwritable, records.RecordsUnwritable) as e:
+        print(f"zoo: error: {e}", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
+    except OSError as e:  # a file the command writes (the page, its plots) in a folder it may not write
+        print(f"zoo: error: cannot write {e.filename or ''} ({e.strerror or e})", file=sys.stderr)
+        return EXIT_CANNOT_WRITE
     except KeyboardInterrupt:
         print("zoo: interrupted; run the same command to go on", file=sys.stderr)
-        return 130
+        return EXIT_ABORTED
 
 
-def collect(out: Path, docs: Path, tables: Sequence[Table]) -> int:
-    """Every run dir under `out` with a final status, as records, merged into the tables' files."""
+def collect(out: Path, docs: Path, tables: Sequence[Table], keep: Callable[[dict], bool] | None = None) -> int:
+    """Every run dir under `out` with a final status (those `keep` accepts, if given), as records, merged into the
+    tables' files."""
     changed = 0
     for table in tables:
         found = []
@@ -183,17 +242,18 @@ def collect(out: Path, docs: Path, tables: Sequence[Table]) -> int:
                 match = re.fullmatch(r"lr([0-9.e+-]+)_seed(\d+)", results_path.parent.name)
                 results = records.results_of(results_path.parent)
                 if match and results.get("status") in records.FINAL:
-                    found.append(records.record_from_results(table, setting, float(match.group(1)),
-                                                             int(match.group(2)), results,
-                                                             f"{table.key}/{setting.slug}/{results_path.parent.name}"))
+                    record = records.record_from_results(table, setting, float(match.group(1)), int(match.group(2)),
+                                                         results, f"{table.key}/{setting.slug}/{results_path.parent.name}")
+                    if keep is None or keep(record):
+                        found.append(record)
         changed += records.merge(docs, table, found)
     return changed
 
 
-def probe(code: Path, tables: Sequence[Table], out: Path, ledger: runner.Ledger) -> None:
+def probe(code: Path, tables: Sequence[Table], out: Path, ledger: runner.Ledger, extra: Sequence[str] = ()) -> None:
     """One short job per table with no record on this machine, recorded as a planning hint (not a result)."""
     for table in tables:
         if any(records.machine_of(r) == ledger.machine for r in records.read_table(ledger.docs, table.key)):
             continue
-        seconds = runner.probe_seconds(code, table, out)
+        seconds = runner.probe_seconds(code, table, out, extra)
         print(f"probe {table.key}: about {seconds:.0f} s a job ({table.settings[0].name}, {table.steps} steps)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from rnnlab.zoo import records
-from rnnlab.zoo.protocol import Setting, Table, choose_lr, lr_text, same_lr
+from rnnlab.zoo.protocol import Choice, Setting, Table, edge_choice, lr_text, same_lr
 
 PAGE = "results.md"
 SOLVED = 0.9  # a length counts as solved where the seeds' mean reaches this ("agrees?")
@@ -29,10 +29,14 @@ class Row:
     """A setting of a table: its records at the table's commit and device, and where it stands in the protocol."""
 
     setting: str
-    grid: dict[float, Mapping[str, Any] | None]  # seed 0's record at each lr of the grid (None: not run)
-    lr: float | None  # the rule's choice (None: the grid is not done, or every lr failed)
+    grid: dict[float, Mapping[str, Any] | None]  # seed 0's record at each lr the rule asked for (None: not run)
+    lr: float | None  # the rule's choice (None: seed 0's lrs are not done, or every lr failed)
     chosen: list[Mapping[str, Any]]  # the records of every seed at the chosen lr
-    complete: bool  # under the protocol: the grid done and every seed at its lr
+    complete: bool  # under the protocol: seed 0's lrs done (the edge rule's too) and every seed at the chosen lr
+    choice: Choice | None = None  # where the rule stands (`protocol.edge_choice`)
+    # Shown before it is final: the table's own grid and every seed are done at the best lr so far, and only the edge
+    # rule's next lr is pending (`lr` is then that best, marked as not final).
+    provisional: bool = False
 
     def stats(self, table: Table, n: int | str, metric: str | None = None) -> tuple[float | None, float | None]:
         """Mean and sd over the chosen seeds of `metric` (the headline one by default) at length or split `n`."""
@@ -40,6 +44,10 @@ class Row:
 
     def jobs(self) -> int:
         return sum(r is not None for r in self.grid.values()) + sum(int(r["seed"]) > 0 for r in self.chosen)
+
+    def expected(self, table: Table) -> int:
+        """The jobs the row needs as far as the rule knows: seed 0's lrs and the other seeds."""
+        return len(self.grid) + table.seeds - 1
 
 
 def value(record: Mapping[str, Any], metric: str, n: int | str) -> float | None:
@@ -53,12 +61,17 @@ def rows_of(table: Table, recs: Sequence[Mapping[str, Any]], settings: Sequence[
     rows = []
     for name in settings:
         mine = [r for r in recs if r["setting"] == name and r.get("status") in records.FINAL]
-        grid = {lr: next((r for r in mine if same_lr(r["lr"], lr) and int(r["seed"]) == 0), None) for lr in table.lrs}
-        done = all(r is not None for r in grid.values())
-        lr = choose_lr({lr: records.score(r, table) for lr, r in grid.items()}, table.higher_is_better) if done else None
+        seed0 = {float(r["lr"]): r for r in mine if int(r["seed"]) == 0}
+        choice = edge_choice(table, {lr: records.score(r, table) for lr, r in seed0.items()})
+        grid = {lr: next((r for k, r in seed0.items() if same_lr(k, lr)), None) for lr in choice.lrs}
+        lr = choice.lr if choice.final else choice.best
         chosen = sorted((r for r in mine if lr is not None and same_lr(r["lr"], lr)), key=lambda r: int(r["seed"]))
-        complete = done and (lr is None or {int(r["seed"]) for r in chosen} >= set(range(table.seeds)))
-        rows.append(Row(name, grid, lr, chosen, complete))
+        seeds_done = {int(r["seed"]) for r in chosen} >= set(range(table.seeds))
+        complete = choice.final and (lr is None or seeds_done)
+        provisional = (not choice.final and lr is not None and seeds_done
+                       and not any(same_lr(p, g) for p in choice.pending for g in table.lrs))
+        rows.append(Row(name, grid, lr if choice.final or provisional else None, chosen if choice.final or provisional
+                        else [], complete, choice, provisional))
     return rows
 
 
@@ -127,35 +140,38 @@ def verdict(row: Row, table: Table) -> str:
 
 
 def grid_text(row: Row, table: Table) -> str:
+    """Seed 0 at every lr it trained, `lr value`, the chosen one in bold; the edge rule's lrs are the ones beyond
+    the table's grid."""
     cells = []
     for lr, record in row.grid.items():
         text = "not run" if record is None else (
             fmt(value(record, table.metric, table.choose_key)) if record.get("status") == "completed" else record["status"])
-        cells.append(f"**{text}**" if row.lr is not None and same_lr(lr, row.lr) else text)
+        cells.append(f"{lr_text(lr)} " + (f"**{text}**" if row.lr is not None and same_lr(lr, row.lr) else text))
     return " / ".join(cells)
 
 
 def grid_ends(rows: Sequence[Row], table: Table) -> str | None:
-    """A sentence naming the settings whose chosen lr is an end of the grid and scored strictly better there than
-    at the next lr in (a tie chose the smaller lr by rule, not by a slope): the grid may not hold their best lr."""
-    lrs = sorted(table.lrs)
-    if len(lrs) < 2:
+    """A sentence naming the settings whose choice the edge rule stopped at its bound: seed 0's best lr is an end of
+    those tried and better than its neighbour, and the next lr out is past the bound (`Table.lr_bounds`)."""
+    names = [row.setting for row in rows if row.choice is not None and row.choice.at_bound]
+    if not names:
         return None
-    ends: dict[float, list[str]] = {lrs[0]: [], lrs[-1]: []}
-    for row in rows:
-        for end, inner in ((lrs[0], lrs[1]), (lrs[-1], lrs[-2])):
-            if row.lr is None or not same_lr(row.lr, end):
-                continue
-            at_end, next_in = records.score(row.grid[end], table), records.score(row.grid[inner], table)
-            if next_in is None or (at_end > next_in if table.higher_is_better else at_end < next_in):
-                ends[end].append(row.setting)
-    parts = [f"{len(names)} of {len(rows)} settings at its {side}, {lr_text(lr)}"
-             + (f" ({', '.join(names)})" if len(names) < len(rows) else "")
-             for side, lr in (("largest", lrs[-1]), ("smallest", lrs[0])) if (names := ends[lr])]
-    if not parts:
+    lo, hi = table.lr_bounds
+    return (f"Stopped at the edge rule's bound ({lr_text(lo)} to {lr_text(hi)}): {len(names)} of {len(rows)} "
+            f"settings chose an end of the lrs tried and scored better there than one lr in ({', '.join(names)}); "
+            "their best lr may lie beyond the bound.")
+
+
+def edge_waiting(rows: Sequence[Row], table: Table) -> str | None:
+    """A sentence naming the settings whose choice waits on the edge rule's next lr."""
+    waiting = [r for r in rows if r.provisional]
+    if not waiting:
         return None
-    return (f"Chosen at an end of the lr grid, and better there than at the next lr in: {'; '.join(parts)}. Their "
-            "best lr may lie beyond the grid; the protocol does not widen a grid after seeing its results.")
+    return ("† Not final: seed 0's best lr so far is an end of the lrs tried and better there than one lr in, so the "
+            "edge rule trains the next lr out before the choice is final; the row shows every seed at the best lr so "
+            "far: " + ", ".join(
+                f"{r.setting} (best so far {lr_text(r.choice.best)}, next "
+                f"{' and '.join(lr_text(lr) for lr in r.choice.pending)})" for r in waiting) + ".")
 
 
 def cell_text(row: Row, table: Table, n: int | str, metric: str | None = None) -> str:
@@ -187,16 +203,16 @@ def rate_text(row: Row, letters: Mapping[str, tuple[str, int]]) -> str:
 def markdown_table(rows: Sequence[Row], table: Table, provenance_columns: bool = False,
                    letters: Mapping[str, tuple[str, int]] | None = None) -> list[str]:
     papers = table.key in ("parity", "s3")
-    grid = " / ".join(lr_text(lr) for lr in table.lrs)
     head = ["setting", *(f"{metric}@{key}" + (" (train)" if key == str(table.train_len) else "")
                          for key, metric in table.columns),
-            "lr", "seeds", f"seed 0 @{table.choose_key}: {grid}", *(["the papers", "agrees?"] * papers), "params",
+            "lr", "seeds", f"seed 0 @{table.choose_key}: lr value", *(["the papers", "agrees?"] * papers), "params",
             "tokens/s", *(["machine", "date", "commit"] * provenance_columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for row in rows:
         params = next((r.get("num_params") for r in row.chosen if r.get("num_params")), None)
         cells = [row.setting, *(cell_text(row, table, key, metric) for key, metric in table.columns),
-                 lr_text(row.lr) if row.lr is not None else "every lr failed", str(len(row.chosen)),
+                 (lr_text(row.lr) + (" †" if row.provisional else "")) if row.lr is not None else "every lr failed",
+                 str(len(row.chosen)),
                  grid_text(row, table), *([claim(table, row.setting)[0] or "-", verdict(row, table)] * papers),
                  f"{params:,}" if params else "-", rate_text(row, letters or {})]
         if provenance_columns:
@@ -214,8 +230,11 @@ def dates(recs: Sequence[Mapping[str, Any]]) -> str:
     return days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "date not recorded"
 
 
+PLOTS = "results_*.png"  # every plot the page draws, by name (`plot_name`)
+
+
 def plot_name(table: Table) -> str:
-    return f"results_{table.key}.png"
+    return PLOTS.replace("*", table.key)
 
 
 def plot(rows: Sequence[Row], table: Table, path: Path) -> None:
@@ -258,7 +277,7 @@ def coverage(tables: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]
     """Cells x tables: ✓ (the cell's default setting, or the one setting a table runs it with, under the protocol),
     k/n (jobs recorded so far), or -."""
     cells = list(dict.fromkeys(s.cell for t in tables for s in t.settings))
-    head = ["cell", *(f"[{t.title}](#{anchor(t.title)})" for t in tables)]
+    head = ["cell", *(f"[{t.title}](#{anchor(t.title)})" if built[t.key][1][2] else t.title for t in tables)]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for cell in cells:
         marks = []
@@ -271,7 +290,7 @@ def coverage(tables: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]
             elif row is None or row.jobs() == 0:
                 marks.append("-")
             else:
-                marks.append("✓" if row.complete else f"{row.jobs()}/{t.jobs_per_setting()}")
+                marks.append("✓" if row.complete else f"{row.jobs()}/{row.expected(t)}")
         lines.append("| " + " | ".join([cell, *marks]) + " |")
     return lines
 
@@ -292,9 +311,11 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
              "differs. The protocol is `rnnlab/zoo/protocol.py`: each setting (a cell in its paper's block, and the "
              "overrides that set it apart) trains its table's lr grid on seed 0; the lr whose seed-0 job scores best "
              "on the headline metric at the training length is chosen (ties to the smaller lr; a diverged or failed "
-             "job scores nothing); the other seeds train at that lr. A row is the mean ± sd over every seed at the "
-             "chosen lr at each evaluated length, with seed 0's training-length value at every lr of the grid beside "
-             "it (the chosen one in bold). Each table is built from one commit on one kind of device, named in its "
+             "job scores nothing). Where that best lr is an end of the lrs tried and better there than one lr in, "
+             "the edge rule trains the next lr out on seed 0 (the grid's own spacing, within 1e-4 to 3e-2), until the "
+             "best is inner or at that bound; then the other seeds train at the chosen lr. A row is the mean ± sd "
+             "over every seed at the chosen lr at each evaluated length, with seed 0's training-length value at every "
+             "lr it trained beside it (the chosen one in bold). Each table is built from one commit on one kind of device, named in its "
              "header (every CPU model is one kind: XLA computes the same float32 programs on each; where a table's "
              "jobs ran on several machines, the header names them and each row's tokens/s says on which); records "
              "of other commits or devices are counted there, not mixed in.", ""]
@@ -308,26 +329,28 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
     plotted: dict[str, list[Row]] = {}
     for table in regenerated:
         rows, (commit, kind, mine, others) = built[table.key]
-        done = [r for r in rows if r.complete]
-        waiting = [r for r in rows if not r.complete and r.jobs()]
+        complete = [r for r in rows if r.complete]
+        done = [r for r in rows if r.complete or r.provisional]  # the rows drawn: final, or marked † (not final)
+        waiting = [r for r in rows if not r.complete and not r.provisional and r.jobs()]
         letters = machine_letters(mine)
         where = (f"{kind}, {len(letters)} machines (" + "; ".join(
             f"{letter} = {m}, {count} jobs" for m, (letter, count) in letters.items())
                  + ")" if letters else records.machine_of(mine[0]))
         lines += [f"## {table.title}", "", table.about, "",
-                  f"Commit `{(commit or 'not recorded')[:12]}` on {where}, {dates(mine)}: {len(done)} of "
+                  f"Commit `{(commit or 'not recorded')[:12]}` on {where}, {dates(mine)}: {len(complete)} of "
                   f"{len(table.settings)} settings under the protocol, each at the lr its seed-0 grid chose on "
-                  f"{table.metric}@{table.choose_key}; mean ± sd over {table.seeds} seeds at that lr."
+                  f"{table.metric}@{table.choose_key} (the edge rule's lrs included); mean ± sd over {table.seeds} "
+                  "seeds at that lr."
                   + (f" ({others} record(s) of other commits or devices not shown.)" if others else ""), ""]
         if done:
             lines += [*markdown_table(done, table, letters=letters), ""]
-            edges = grid_ends(done, table)
-            lines += [edges, ""] if edges else []
+            for sentence in (edge_waiting(done, table), grid_ends(done, table)):
+                lines += [sentence, ""] if sentence else []
             if any(r.lr is not None for r in done) and len(table.eval_lens) > 1:  # a metric against length
                 lines += [f"![{table.title}]({plot_name(table)})", ""]
                 plotted[table.key] = [r for r in done if r.lr is not None]
         if waiting:
-            lines += ["In progress: " + ", ".join(f"{r.setting} ({r.jobs()}/{table.jobs_per_setting()} jobs)"
+            lines += ["In progress: " + ", ".join(f"{r.setting} ({r.jobs()}/{r.expected(table)} jobs)"
                                                   for r in waiting) + ".", ""]
         if table.key in ("parity", "s3") and done:
             lines += ["The papers' column: what Grazzi et al. (2025), Siems et al. (2025), Merrill et al. (2024), "
@@ -367,7 +390,9 @@ def earlier(docs: Path, tables: Mapping[str, Table], built: Mapping[str, tuple[l
 
 
 def write(docs: Path, tables: Mapping[str, Table], plots: bool = True) -> list[Path]:
-    """docs/results.md and, with `plots`, a plot per regenerated table with rows (matplotlib, if installed)."""
+    """docs/results.md and, with `plots`, a plot per regenerated table with rows (matplotlib, if installed); a plot
+    of the page's name pattern (`results_*.png`) that the page no longer draws is deleted, so the folder holds what
+    the records make."""
     text, plotted = build(Path(docs), tables)
     page = Path(docs) / PAGE
     page.write_text(text)
@@ -381,4 +406,6 @@ def write(docs: Path, tables: Mapping[str, Table], plots: bool = True) -> list[P
             path = Path(docs) / plot_name(tables[key])
             plot(rows, tables[key], path)
             written.append(path)
+        for stale in sorted(set(Path(docs).glob(PLOTS)) - set(written)):
+            stale.unlink()
     return written

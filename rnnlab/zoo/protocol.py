@@ -6,6 +6,13 @@ The rule (Zoology's, as this lab runs it): a setting trains its lr grid on seed 
 best on the headline metric at the training length (the run's own eval at `data.seq_len`, never a longer length)
 is chosen, ties going to the smaller lr; a job that diverged or failed scores nothing; then the other seeds train
 at the chosen lr only, and the table reports the mean and spread over all seeds at that lr.
+
+The edge rule (the Deep Learning Tuning Playbook's: a search space whose best point is at its boundary is not
+finished), fixed before the jobs it adds ran: where seed 0's best lr is an end of the lrs tried and strictly better
+than its neighbour there (a tie chose the smaller lr by rule, not by a slope; a neighbour that failed scores
+nothing), the next lr outward at the grid's own spacing (`lr_outward`) trains on seed 0, and again, until the best is
+inner or the next lr would pass the table's stated bound (`LR_BOUNDS`); only then is the choice final and the other
+seeds train, at it. Seeds that ran at an earlier choice keep their records; the table reports the final one's.
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ CELLS = ("rnn", "lstm", "gru", "mingru", "minlstm", "lru", "rglru", "mamba", "ma
 NEG = "model.allow_neg_eigval=true"
 SWITCH_CELLS = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
 ZOOLOGY_LRS = (3e-4, 1e-3, 3e-3, 1e-2)
+# The edge rule's bound: no lr outside it trains. 3e-2 is the top of Zoology's later MQAR grid (1e-3 ... 3.16e-2);
+# 1e-4 a decade below the lowest grid here.
+LR_BOUNDS = (1e-4, 3e-2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,7 @@ class Table:
     choose_on: str = ""
     split_columns: tuple[tuple[str, str], ...] = ()
     population: bool = True  # whether hydra/launcher=population can run its jobs (not data=text's carried streams)
+    lr_bounds: tuple[float, float] = LR_BOUNDS  # the edge rule extends the grid within these (inclusive)
 
     @property
     def choose_key(self) -> str:
@@ -125,6 +136,82 @@ def choose_lr(seed0_scores: Mapping[float, float | None], higher_is_better: bool
         if best is None or key < best[0]:
             best = (key, lr)
     return best[1] if best else None
+
+
+def on_ladder(lr: float) -> tuple[int, int] | None:
+    """(mantissa, exponent) of an lr of the 1-3 ladder (1e-3, 3e-3, 1e-2, ...), the half decades the grids here use;
+    None off it."""
+    mantissa, exponent = f"{lr:.6e}".split("e")
+    m = float(mantissa)
+    return (int(round(m)), int(exponent)) if round(m) in (1, 3) and math.isclose(m, round(m), rel_tol=1e-9) else None
+
+
+def lr_outward(grid: Sequence[float], lr: float, up: bool) -> float:
+    """The next lr beyond `lr`, upward or downward, at the grid's own spacing: the next half decade where the grid is
+    on the 1-3 ladder (3e-3 -> 1e-2 -> 3e-2; 3e-4 -> 1e-4), else the ratio of the grid's two lrs at that end."""
+    ladder = on_ladder(lr)
+    if ladder and all(on_ladder(x) for x in grid):
+        m, e = ladder
+        if up:
+            m, e = (3, e) if m == 1 else (1, e + 1)
+        else:
+            m, e = (3, e - 1) if m == 1 else (1, e)
+        return float(f"{m}e{e}")
+    lrs = sorted(grid)
+    ratio = lrs[-1] / lrs[-2] if up else lrs[1] / lrs[0]
+    return float(f"{lr * ratio if up else lr / ratio:.3g}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Where a setting's seed-0 lrs stand under the rule and its edge rule."""
+
+    lrs: tuple[float, ...]  # every lr the rule has asked seed 0 to train so far: the grid and its extensions, ascending
+    pending: tuple[float, ...]  # of those, the ones with no final record yet (they run before anything else)
+    lr: float | None  # the final choice: None while some lr is pending, or if every lr failed
+    best: float | None  # the best lr of those finished so far (the choice, once final)
+    at_bound: bool  # the best is an end, better than its neighbour, but the next lr out would pass the bound
+
+    @property
+    def final(self) -> bool:
+        return not self.pending
+
+
+def _find(scores: Mapping[float, float | None], lr: float) -> tuple[bool, float | None]:
+    for key, value in scores.items():
+        if same_lr(key, lr):
+            return True, value
+    return False, None
+
+
+def edge_choice(table: "Table", seed0_scores: Mapping[float, float | None]) -> Choice:
+    """The rule with its edge rule, from seed 0's scores so far ({lr: score} for the lrs with a final record; None
+    for a job that failed or diverged): which lrs seed 0 must train, and the choice once none is pending."""
+    lrs = sorted(table.lrs)
+    lo, hi = table.lr_bounds
+    while True:
+        found = {lr: _find(seed0_scores, lr) for lr in lrs}
+        pending = tuple(lr for lr in lrs if not found[lr][0])
+        scores = {lr: found[lr][1] for lr in lrs if found[lr][0]}
+        best = choose_lr(scores, table.higher_is_better)
+        if pending or best is None:
+            return Choice(tuple(lrs), pending, None, best, False)
+        outward = None
+        for end, inner, up in ((lrs[-1], lrs[-2], True), (lrs[0], lrs[1], False)) if len(lrs) > 1 else ():
+            if same_lr(best, end) and better(scores[end], scores[inner], table.higher_is_better):
+                outward = lr_outward(table.lrs, end, up)
+        if outward is None:
+            return Choice(tuple(lrs), (), best, best, False)
+        if not lo * (1 - 1e-9) <= outward <= hi * (1 + 1e-9):
+            return Choice(tuple(lrs), (), best, best, True)
+        lrs = sorted([*lrs, outward])
+
+
+def better(score: float | None, than: float | None, higher_is_better: bool) -> bool:
+    """Strictly better (a score beats a failed job's None)."""
+    if score is None:
+        return False
+    return than is None or (score > than if higher_is_better else score < than)
 
 
 def _cells(*extra: Setting) -> tuple[Setting, ...]:

@@ -6,11 +6,14 @@ these files alone; `collect` writes them from run dirs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
+import os
 import statistics
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from rnnlab.files import read_json_object
 from rnnlab.provenance import device_kind, machine_name
@@ -19,6 +22,15 @@ from rnnlab.zoo.protocol import Setting, Table, same_lr
 FINAL = ("completed", "diverged", "failed")  # a job with one of these is not run again; others (preempted) resume
 COPIED = ("status", "error", "step", "num_params", "state_floats", "model_state_floats", "tokens_per_sec",
           "compile_seconds", "wall_seconds", "overrides", "provenance")
+
+
+class RecordsError(Exception):
+    """A records file that cannot be read as records (a damaged line, a conflict left by git): one line naming the
+    file and line, exit 2. It is never rewritten over: what it holds is the page."""
+
+
+class RecordsUnwritable(Exception):
+    """The records dir or a records file cannot be written: one line, exit 74."""
 
 
 def records_dir(docs: Path) -> Path:
@@ -75,10 +87,36 @@ def key(record: Mapping[str, Any]) -> tuple:
             kind_of(record))
 
 
+REQUIRED = ("table", "setting", "lr", "seed")
+
+
 def read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """The records in `path` (none if it is missing); a RecordsError naming the file and line of the first line that
+    is not a record."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    except OSError as e:
+        raise RecordsError(f"{path}: cannot be read ({e.strerror or e})") from None
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            record, why = None, f"not JSON ({str(e).split(':')[0]})"
+        else:
+            missing = [k for k in REQUIRED if k not in record] if isinstance(record, dict) else list(REQUIRED)
+            why = f"not a record (no {', '.join(missing)})" if missing else ""
+        if why:
+            shown = line if len(line) <= 40 else line[:37] + "..."
+            raise RecordsError(f"{path} line {number}: {why}: {shown!r}; restore the line from git "
+                               f"(`git log -p -- {path}`) or remove it, then run again")
+        found.append(record)
+    return found
 
 
 def read_table(docs: Path, table: str) -> list[dict[str, Any]]:
@@ -92,28 +130,57 @@ def order(table: Table | None, record: Mapping[str, Any]) -> tuple:
     return (at, record["setting"], float(record["lr"]), int(record["seed"]), commit_of(record) or "", kind_of(record))
 
 
+@contextlib.contextmanager
+def locked(folder: Path) -> Iterator[None]:
+    """An exclusive `flock` on the records dir itself for the block: one writer of the records at a time, across
+    processes (no lock file to commit; the OS drops the lock when its holder dies, even by SIGKILL)."""
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise RecordsUnwritable(f"cannot write the records dir {folder} "
+                                f"({e.strerror or e})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
 def write(path: Path, records: Iterable[Mapping[str, Any]], table: Table | None) -> None:
-    """The records, one a line, sorted keys, in the protocol's order."""
+    """The records, one a line, sorted keys, in the protocol's order, through a temp file of this process renamed
+    into place (a reader sees the old file or the new one). Call it under `locked`."""
     rows = sorted(records, key=lambda r: order(table, r))
-    path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in rows)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise RecordsUnwritable(f"cannot write {path} ({e.strerror or e}); the jobs' results "
+                                "stay in their run dirs: make it writable and run again (or `collect`)") from None
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def merge(docs: Path, table: Table, new: Iterable[Mapping[str, Any]]) -> int:
     """Add `new` records to the table's file, each replacing the record of the same job (`key`); returns how many
-    records changed."""
-    path = records_dir(docs) / f"{table.key}.jsonl"
-    by_key = {key(r): r for r in read(path)}
-    changed = 0
-    for record in new:
-        if by_key.get(key(record)) != record:
-            by_key[key(record)] = dict(record)
-            changed += 1
-    if changed:
-        write(path, by_key.values(), table)
+    records changed. Read, changed and written under the records dir's lock, so that concurrent merges (two
+    runners, a runner and `collect`) lose nothing."""
+    new = list(new)
+    folder = records_dir(docs)
+    path = folder / f"{table.key}.jsonl"
+    with locked(folder):
+        by_key = {key(r): r for r in read(path)}
+        changed = 0
+        for record in new:
+            if by_key.get(key(record)) != record:
+                by_key[key(record)] = dict(record)
+                changed += 1
+        if changed:
+            write(path, by_key.values(), table)
     return changed
 
 

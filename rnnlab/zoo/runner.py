@@ -3,8 +3,8 @@
 A job's run dir is <out>/<table>/<setting slug>/lr<lr>_seed<seed>. A job is done when its run dir or the committed
 records (docs/zoo/records) hold a final record (`records.FINAL`) made at the pinned commit on this kind of device;
 so a suite spread over sessions and machines goes on from what was committed. Each setting trains its lr grid on
-seed 0 first; once the grid is done the protocol's rule (`protocol.choose_lr`) picks the lr, and the setting's other
-seeds go to the front of the queue. The code runs from a git worktree of the pinned commit (`<out>/worktrees/`),
+seed 0 first; once the grid is done the protocol's rule (`protocol.edge_choice`: the best lr, and the next lr out
+while the best is an end of those tried) picks the lr, and the setting's other seeds go to the front of the queue. The code runs from a git worktree of the pinned commit (`<out>/worktrees/`),
 never from the checkout being edited. Two executors: `processes` (one train.py per job, `--parallel` side by side:
 one per core, or several sharing a GPU) and `population` (hydra/launcher=population: a setting's grid as one
 program, then its seeds as one program). Before `--deadline` a job starts only if the records predict that it ends
@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rnnlab.files import exclusive_lock, lock_holder
 from rnnlab.sweep_status import duration, schedule_seconds, status_line
 from rnnlab.zoo import records
-from rnnlab.zoo.protocol import Setting, Table, choose_lr, job_dirname, lr_text
+from rnnlab.zoo.protocol import Choice, Setting, Table, edge_choice, job_dirname, lr_text, same_lr
 
 # Overrides the protocol fixes: `run`'s extra overrides may not set them.
 PROTOCOL_KEYS = ("steps", "optimizer.lr", "seed", "data.seq_len", "data.eval_seq_lens", "experiment", "model",
@@ -39,6 +40,46 @@ PROTOCOL_KEYS = ("steps", "optimizer.lr", "seed", "data.seq_len", "data.eval_seq
 
 class ZooError(Exception):
     """Bad input to the zoo's CLI: one line, exit 2."""
+
+
+class ZooUnwritable(Exception):
+    """A folder the zoo must write (the run dirs' --out, the docs) cannot be written: one line, exit 74."""
+
+
+RUNNER_LOCK = ".zoo-runner.lock"
+
+
+class RunnerLock:
+    """An exclusive `flock` on `<out>/.zoo-runner.lock` for a runner's life: one runner per out dir (a second would
+    start the same jobs). The OS drops it when the runner ends, SIGKILL included; the file names the holder."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / RUNNER_LOCK
+        self._fd: int | None = None
+
+    def acquire(self) -> "RunnerLock":
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, who = exclusive_lock(self.path)
+        except OSError as e:
+            raise ZooUnwritable(f"option '--out': cannot write {self.path.parent} ({e.strerror or e}); choose a "
+                                "writable --out") from None
+        if fd is None:
+            raise ZooError(f"option '--out': {self.path.parent} is in use by another zoo runner ({who}); wait for "
+                           "it to end, or use another --out")
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunnerLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,10 +124,21 @@ def worktree(root: Path, commit: str, out: Path) -> Path:
     """A checkout of `commit` at <out>/worktrees/<commit> (made once; the jobs run its train.py)."""
     path = (Path(out) / "worktrees" / commit[:12]).resolve()
     if not (path / "train.py").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            probe = path.parent / f".write_test.{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise ZooUnwritable(f"option '--out': cannot write {path.parent} ({e.strerror or e}); choose a writable "
+                                "--out") from None
         subprocess.run(["git", "-C", str(root), "worktree", "prune"], capture_output=True)
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "--force", str(path), commit],
-                       capture_output=True, text=True, check=True)
+        made = subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "--force", str(path), commit],
+                              capture_output=True, text=True)
+        if made.returncode:
+            said = [line for line in made.stderr.splitlines() if line.strip()][-1:]
+            raise ZooUnwritable(f"cannot check out commit {commit[:12]} at {path}: "
+                                f"{said[0] if said else 'git worktree add failed'}")
     return path
 
 
@@ -136,21 +188,43 @@ class Ledger:
             self._final[job.name] = found
         return found
 
+    def busy(self, job: Job) -> str | None:
+        """Who trains the job in another process (its run dir's lock is held: a job an earlier runner started and
+        that outlived it), else None. Such a job is waited on, never started twice."""
+        return lock_holder(job.run_dir(self.out) / ".rnnlab.lock.0")
+
     def started(self, job: Job) -> bool:
         """Whether the job has a run dir with a checkpoint or results (it resumes rather than starts)."""
         return (job.run_dir(self.out) / "results.json").exists()
 
 
 def grid_jobs(table: Table, setting: Setting) -> list[Job]:
+    """The table's own lr grid on seed 0 (the edge rule may add lrs: `seed0_jobs`)."""
     return [Job(table, setting, lr, 0) for lr in table.lrs]
 
 
+def choice_of(ledger: Ledger, table: Table, setting: Setting) -> Choice:
+    """Where the setting's seed-0 lrs stand (`protocol.edge_choice`), from the records known: the grid, then each lr
+    the edge rule added once its record is there."""
+    scores: dict[float, float | None] = {}
+    while True:
+        choice = edge_choice(table, scores)
+        found = {lr: ledger.record(Job(table, setting, lr, 0)) for lr in choice.pending}
+        found = {lr: r for lr, r in found.items() if r is not None}
+        if not found:
+            return choice
+        scores.update({lr: records.score(r, table) for lr, r in found.items()})
+
+
+def seed0_jobs(choice: Choice, table: Table, setting: Setting) -> list[Job]:
+    """Seed 0 at every lr the rule has asked for so far: the grid and its extensions."""
+    return [Job(table, setting, lr, 0) for lr in choice.lrs]
+
+
 def chosen_lr(ledger: Ledger, table: Table, setting: Setting) -> tuple[bool, float | None]:
-    """(whether the seed-0 grid is done, the lr the protocol chooses from it)."""
-    grid = {job.lr: ledger.record(job) for job in grid_jobs(table, setting)}
-    if any(r is None for r in grid.values()):
-        return False, None
-    return True, choose_lr({lr: records.score(r, table) for lr, r in grid.items()}, table.higher_is_better)
+    """(whether seed 0's lrs are done under the edge rule, the lr the protocol chooses from them)."""
+    choice = choice_of(ledger, table, setting)
+    return choice.final, choice.lr
 
 
 def seed_jobs(table: Table, setting: Setting, lr: float) -> list[Job]:
@@ -158,38 +232,54 @@ def seed_jobs(table: Table, setting: Setting, lr: float) -> list[Job]:
 
 
 def seeds_waiting(ledger: Ledger, tables: Sequence[Table]) -> list[Job]:
-    """The seed jobs of each setting whose grid is not done yet, at its first lr (their lr is not chosen yet): what a
-    prediction counts beside the ready jobs."""
-    return [job for table in tables for setting in table.settings if not chosen_lr(ledger, table, setting)[0]
-            for job in seed_jobs(table, setting, table.lrs[0])]
+    """The seed jobs of each setting whose choice is not final yet, at the best lr so far (their lr is not chosen
+    yet): what a prediction counts beside the ready jobs."""
+    waiting = []
+    for table in tables:
+        for setting in table.settings:
+            choice = choice_of(ledger, table, setting)
+            if not choice.final:  # at the best lr so far; those already recorded there count as done
+                waiting += [j for j in seed_jobs(table, setting, choice.best or table.lrs[0]) if not ledger.record(j)]
+    return waiting
 
 
 @dataclasses.dataclass
 class Plan:
-    """Each setting's jobs as far as they can be known: the grid, then the chosen lr's seeds (None: not yet)."""
+    """Each setting's jobs as far as they can be known: seed 0's lrs (the grid and what the edge rule added), then
+    the chosen lr's seeds (not yet known while seed 0's lrs are pending)."""
 
     done: list[Job]
-    todo_now: list[Job]  # ready to run, in the order they run: seeds of finished grids first, then grids
-    later: int  # jobs that wait on a grid (its seeds)
+    todo_now: list[Job]  # ready to run, in the order they run: seeds of final choices first, then seed-0 lrs
+    later: int  # jobs that wait on a choice (its seeds)
     no_lr: list[tuple[Table, Setting]]  # settings whose every lr failed
+    extensions: list[Job] = dataclasses.field(default_factory=list)  # seed-0 jobs the edge rule added, done or not
+    excluded: int = 0  # ready jobs left out of todo_now as running
+
+    @property
+    def total(self) -> int:
+        return len(self.done) + len(self.todo_now) + self.later + self.excluded
 
 
 def make_plan(ledger: Ledger, tables: Sequence[Table], running: Sequence[str] = ()) -> Plan:
-    done, seeds_now, grids_now, later, no_lr = [], [], [], 0, []
+    done, seeds_now, grids_now, later, no_lr, extensions = [], [], [], 0, [], []
     for table in tables:
         for setting in table.settings:
-            for job in grid_jobs(table, setting):
+            choice = choice_of(ledger, table, setting)
+            for job in seed0_jobs(choice, table, setting):
                 (done if ledger.record(job) else grids_now).append(job)
-            finished, lr = chosen_lr(ledger, table, setting)
-            if not finished:
-                later += table.seeds - 1
-            elif lr is None:
+                if not any(same_lr(job.lr, lr) for lr in table.lrs):
+                    extensions.append(job)
+            if not choice.final:  # its seeds: those not recorded at the best lr so far (the choice may move)
+                later += sum(not ledger.record(j) for j in seed_jobs(table, setting, choice.best or table.lrs[0]))
+            elif choice.lr is None:
                 no_lr.append((table, setting))
             else:
-                for job in seed_jobs(table, setting, lr):
+                for job in seed_jobs(table, setting, choice.lr):
                     (done if ledger.record(job) else seeds_now).append(job)
+    running = set(running)
     todo = [j for j in seeds_now + grids_now if j.name not in running]
-    return Plan(done, todo, later, no_lr)
+    excluded = sum(j.name in running for j in seeds_now + grids_now)
+    return Plan(done, todo, later, no_lr, extensions, excluded)
 
 
 def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], float | None]:
@@ -257,19 +347,24 @@ def unit_seconds(ledger: Ledger, predict: Callable[[Job], float | None], jobs: S
 def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Callable[[str], None] = print) -> Plan:
     plan = make_plan(ledger, tables)
     predict = job_seconds(ledger, tables)
-    total = sum(len(t.settings) * t.jobs_per_setting() for t in tables)
     say(f"commit {ledger.commit or '(any)'} on {ledger.machine or ledger.kind}; run dirs in {ledger.out}")
     for table in tables:
         mine = [j for j in plan.done if j.table is table]
         jobs = len(table.settings) * table.jobs_per_setting()
+        added = [j for j in plan.extensions if j.table is table]
         say(f"  {table.key}: {len(table.settings)} settings x ({len(table.lrs)} lrs + {table.seeds - 1} seeds) = "
-            f"{jobs} jobs, {len(mine)} recorded, {table.steps} steps each")
+            f"{jobs} jobs" + (f" + {len(added)} the edge rule added" if added else "")
+            + f", {len(mine)} recorded, {table.steps} steps each")
+        for job in [j for j in added if not ledger.record(j)]:
+            seconds = unit_seconds(ledger, predict, [job])
+            say(f"    edge rule: {job.setting.name} at lr {lr_text(job.lr)}, seed 0"
+                + (f" (about {duration(seconds)})" if seconds is not None else ""))
     left = [unit_seconds(ledger, predict, [j]) for j in plan.todo_now]
     later_seconds = [unit_seconds(ledger, predict, [j]) for j in seeds_waiting(ledger, tables)]
     known = [s for s in left + later_seconds if s is not None]
     unknown = len(left) + len(later_seconds) - len(known)
-    say(f"{total} jobs: {len(plan.done)} recorded, {len(plan.todo_now)} ready, {plan.later} waiting on their grid"
-        + (f", {len(plan.no_lr)} settings with every lr failed" if plan.no_lr else ""))
+    say(f"{plan.total} jobs: {len(plan.done)} recorded, {len(plan.todo_now)} ready, {plan.later} waiting on their "
+        "seed-0 lrs" + (f", {len(plan.no_lr)} settings with every lr failed" if plan.no_lr else ""))
     if not left and not later_seconds:
         say("predicted: nothing left to run")
     elif known:
@@ -289,6 +384,14 @@ class Unit:
     proc: subprocess.Popen | None = None
     started: float = 0.0
     log: Any = None
+    log_path: Path | None = None
+
+
+def job_env(code: Path) -> dict[str, str]:
+    """A job's environment: the worktree's rnnlab first, the caller's own path after it (a new cell's module,
+    `imports=[...]`)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(code), os.environ.get("PYTHONPATH")) if p),
+                HYDRA_FULL_ERROR="1")
 
 
 class Executor:
@@ -311,10 +414,9 @@ class Executor:
     def start(self, unit: Unit) -> None:
         cmd, log_path = self.command(unit)
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        unit.log_path = log_path
         unit.log = open(log_path, "a")
-        # The worktree's rnnlab first; the caller's own path after it (a new cell's module, `imports=[...]`).
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(self.code), os.environ.get("PYTHONPATH"))
-                                                         if p), HYDRA_FULL_ERROR="1")
+        env = job_env(self.code)
         if self.pin:
             env["RNNLAB_PIN_CPU"] = "1"
         unit.proc = subprocess.Popen(cmd, cwd=self.code, stdout=unit.log, stderr=subprocess.STDOUT, env=env,
@@ -365,16 +467,17 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     running: list[Unit] = []
     attempted: set[str] = set()  # a job runs at most once a call: one that ends without a final record waits for the next
     finished_here: list[float] = []
+    waiting: dict[str, str] = {}  # jobs that another process trains (an earlier runner's, outliving it): name -> holder
     failed = 0
     incomplete = 0
-    total = sum(len(t.settings) * t.jobs_per_setting() for t in tables)
 
     def status() -> None:
-        plan = make_plan(ledger, tables, [j.name for u in running for j in u.jobs])
-        total_now = total - sum(t.seeds - 1 for t, _ in plan.no_lr)
+        plan = make_plan(ledger, tables, [j.name for u in running for j in u.jobs] + list(waiting))
+        total_now = plan.total
         seconds = seconds_to_go(ledger, tables, plan, executor, running, parallel, finished_here)
-        say(status_line(len(plan.done), total_now, sum(len(u.jobs) for u in running), failed, seconds,
-                        time.time() - start) + (f" ({incomplete} stopped, to resume)" if incomplete else ""))
+        say(status_line(len(plan.done), total_now, sum(len(u.jobs) for u in running) + len(waiting), failed,
+                        seconds, time.time() - start)
+            + (f" ({incomplete} ended without a final status: the next run goes on with them)" if incomplete else ""))
 
     def finish(unit: Unit) -> None:
         nonlocal failed, incomplete
@@ -386,15 +489,26 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
             record = ledger.record(job)
             if record is None:
                 incomplete += 1
-                results = records.results_of(job.run_dir(ledger.out))
-                say(f"{job.name}: {results.get('status') or 'no results.json'} (exit {unit.proc.returncode}; "
-                    f"see {job.run_dir(ledger.out) / 'train.log'})")
+                say(f"{job.name}: {ended_without_record(ledger, job, unit)}")
                 continue
             done.append(record)
             failed += record["status"] != "completed"
             finished_here.append((time.time() - unit.started) / len(unit.jobs))
         if on_done and done:
             on_done(done)
+        status()
+
+    def adopt(name: str) -> None:
+        """A job another process trained has ended: record it if it reached a final status (else it resumes)."""
+        nonlocal failed
+        waiting.pop(name)
+        job = next(j for t in tables for s in t.settings for j in known_jobs(ledger, t, s) if j.name == name)
+        record = ledger.record(job)
+        if record is None:
+            return
+        failed += record["status"] != "completed"
+        if on_done:
+            on_done([record])
         status()
 
     stopped = False
@@ -405,25 +519,35 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
         while True:
             for unit in [u for u in running if u.proc.poll() is not None]:
                 finish(unit)
+            for name in [n for n in waiting if not lock_holder(ledger.out / n / ".rnnlab.lock.0")]:
+                adopt(name)
             if time.time() >= deadline or signalled:
                 stopped = True
                 break
-            plan = make_plan(ledger, tables, attempted)
-            if not plan.todo_now and not running:
+            plan = make_plan(ledger, tables, attempted | set(waiting))
+            for job in plan.todo_now:
+                holder = ledger.busy(job)
+                if holder:
+                    waiting[job.name] = holder
+                    say(f"{job.name}: still trained by {holder} (started by an earlier runner); waiting for it to end")
+            todo = [j for j in plan.todo_now if j.name not in waiting]
+            if not todo and not running and not waiting:
                 break
             free = max(parallel - len(running), 0)
-            if free and plan.todo_now:
-                in_time, late = split_by_deadline(ledger, tables, executor.units(plan.todo_now), deadline - time.time())
+            if free and todo:
+                in_time, late = split_by_deadline(ledger, tables, executor.units(todo), deadline - time.time())
                 for unit in in_time[:free]:
                     executor.start(unit)
                     running.append(unit)
                     attempted.update(j.name for j in unit.jobs)
-                if late and not in_time and not running:
+                if late and not in_time and not running and not waiting:
                     say(f"deadline in {duration(deadline - time.time())}: the {sum(len(u.jobs) for u in late)} ready "
                         "jobs are predicted to end after it; the next run starts them")
                     stopped = True
                     break
             time.sleep(1.0)
+        if stopped and waiting:
+            say(f"{len(waiting)} jobs of an earlier runner are still training; the next run records them")
         if stopped and running:
             why = signal.Signals(signalled[0]).name if signalled else "deadline"
             say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
@@ -445,9 +569,36 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     finally:
         _restore_signals(previous)
     plan = make_plan(ledger, tables)
-    if plan.todo_now or plan.later:
+    if plan.todo_now or plan.later or waiting:
         return 75 if stopped else 1
     return 0
+
+
+def known_jobs(ledger: Ledger, table: Table, setting: Setting) -> list[Job]:
+    """A setting's jobs known so far: seed 0's lrs, and its seeds once the choice is final."""
+    choice = choice_of(ledger, table, setting)
+    seeds = seed_jobs(table, setting, choice.lr) if choice.final and choice.lr is not None else []
+    return seed0_jobs(choice, table, setting) + seeds
+
+
+def ended_without_record(ledger: Ledger, job: Job, unit: Unit) -> str:
+    """Why a job that ended has no final record, in words: stopped where it resumes, stopped before anything was
+    saved, or failed to start (with its output's last line)."""
+    run_dir = job.run_dir(ledger.out)
+    results = records.results_of(run_dir)
+    code = unit.proc.returncode if unit.proc is not None else None
+    step = results.get("step")
+    if results.get("status") == "preempted" and isinstance(step, int) and step > 0:
+        return f"stopped at step {step} (exit {code}); the next run resumes it"
+    if results.get("status") == "preempted" or code in (75, -signal.SIGTERM, -signal.SIGKILL):
+        return f"stopped before its first checkpoint (exit {code}); the next run starts it again"
+    log = unit.log_path or run_dir / "stdout.log"
+    try:
+        last = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()][-1:]
+    except OSError:
+        last = []
+    said = last[0].strip()[:200] if last else "no output"
+    return f"{results.get('status') or 'no results.json'} (exit {code}): {said} (see {log})"
 
 
 # Before a deadline a job starts only if this times its predicted time is left: in the zoo's records most jobs
@@ -515,16 +666,48 @@ class _suppress:
         return exc[0] is not None and issubclass(exc[0], (ProcessLookupError, PermissionError))
 
 
-def probe_seconds(code: Path, table: Table, out: Path, steps: int = 40) -> float:
-    """One short job of `table`'s first setting, to scale a per-step time to the table's steps: the predicted wall
-    time of one of its jobs (compile and evaluation counted once each)."""
+def probe_seconds(code: Path, table: Table, out: Path, extra: Sequence[str] = (), steps: int = 40) -> float:
+    """One short job of `table`'s first setting, with the run's own overrides and path, to scale a per-step time to the
+    table's steps: the predicted wall time of one of its jobs (compile and evaluation counted once each)."""
     job = Job(table, table.settings[0], table.lrs[0], 0)
     run_dir = (Path(out) / "probes" / table.key).resolve()
     overrides = [o if not o.startswith("steps=") else f"steps={steps}" for o in job.overrides()]
-    cmd = [sys.executable, str(Path(code) / "train.py"), *overrides, "hydra.mode=RUN", f"hydra.run.dir={run_dir}",
-           "checkpoint.enabled=false", f"eval_every={steps}", f"log_every={steps}", "device.compile_cache=false"]
-    subprocess.run(cmd, cwd=code, capture_output=True, env=dict(os.environ, PYTHONPATH=str(code)), check=False)
-    results = json.loads((run_dir / "results.json").read_text())
+    cmd = [sys.executable, str(Path(code) / "train.py"), *overrides, *extra, "hydra.mode=RUN",
+           f"hydra.run.dir={run_dir}", "checkpoint.enabled=false", f"eval_every={steps}", f"log_every={steps}",
+           "device.compile_cache=false"]
+    done = subprocess.run(cmd, cwd=code, capture_output=True, text=True, env=job_env(code), check=False)
+    results = records.results_of(run_dir)
+    if results.get("status") != "completed" or not results.get("tokens_per_sec"):
+        said = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()][-1:]
+        raise ZooError(f"plan --probe: the probe job of {table.key} ended with exit {done.returncode}: "
+                       f"{said[0].strip() if said else 'no output'}")
     per_step = results["tokens_per_step"] / results["tokens_per_sec"]
     fixed = results["wall_seconds"] - per_step * steps
     return fixed + per_step * table.steps
+
+
+CONFIG_CHECK = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import train
+print(json.dumps([train.config_exit(overrides) for overrides in json.loads(sys.stdin.read())]))
+"""
+
+
+def check_configs(code: Path, tables: Sequence[Table], extra: Sequence[str]) -> None:
+    """Compose one job's config of every setting, with the run's overrides, in the pinned worktree's train.py
+    (its `config_exit`: Hydra and rnnlab's validation, no JAX) before any job starts: a ZooError naming the first
+    setting that train.py would refuse and its own line. A worktree whose train.py has no `config_exit` is not
+    checked (its jobs refuse bad input themselves)."""
+    if "def config_exit" not in (Path(code) / "train.py").read_text():
+        return
+    cases = [(t, s) for t in tables for s in t.settings]
+    overrides = [[*Job(t, s, t.lrs[0], 0).overrides(), *extra] for t, s in cases]
+    done = subprocess.run([sys.executable, "-c", CONFIG_CHECK, str(code)], input=json.dumps(overrides),
+                          capture_output=True, text=True, env=job_env(code), cwd=code, timeout=600)
+    if done.returncode:
+        said = [line for line in done.stderr.splitlines() if line.strip()][-1:]
+        raise ZooError(f"cannot check the jobs' configs in {code}: {said[0] if said else 'no output'}")
+    for (table, setting), (exit_code, line) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        if exit_code:
+            raise ZooError(f"{table.key}, setting '{setting.name}': train.py refuses it: {line}")
