@@ -22,7 +22,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 # 1e-2, the grid's top, so the edge rule trains 3e-2 (worse: 1e-2 is chosen).
 SCORES = {("rnn", "0.0001"): 0.5, ("rnn", "0.0003"): 0.8,
           ("rnn", "0.001"): 0.6, ("rnn", "0.003"): None, ("rnn", "0.01"): 0.7, ("rnn", "0.03"): 0.65,
-          ("gru", "0.001"): 0.9, ("gru", "0.003"): 0.9, ("gru", "0.01"): 0.5}
+          ("gru", "0.001"): 0.9, ("gru", "0.003"): 0.9, ("gru", "0.01"): 0.5,
+          ("deltanet", "0.001"): 0.95, ("deltanet", "0.003"): 0.95, ("deltanet", "0.01"): 0.5}
 
 FAKE_TRAIN = '''
 import json, os, signal, sys, time
@@ -410,7 +411,9 @@ def test_the_core_suite_is_every_cell_on_four_tables_with_the_fixed_protocols():
     from rnnlab.cells import CELLS
 
     tables = protocol.suite_tables("core")
-    assert [t.key for t in tables] == ["parity", "selective_copy", "mqar8", "s3"]
+    assert [t.key for t in tables] == ["parity", "selective_copy", "mqar8", "s3", "parity_x4", "s3_x4"]
+    checks, tables = tables[4:], tables[:4]
+    assert [(c.base.key, c.steps) for c in checks] == [("parity", 8000), ("s3", 16000)]
     package_cells = {n for n, c in CELLS.items() if c.__module__.startswith("rnnlab.")}
     for table in tables:
         assert {s.cell for s in table.settings} == package_cells
@@ -485,3 +488,33 @@ def test_the_page_deletes_plots_it_no_longer_draws_and_links_only_tables_it_show
     assert not (docs / "results_gone.png").exists() and (docs / "history.png").exists()
     text = (docs / "results.md").read_text()
     assert "[Tiny parity](#tiny-parity)" in text and "| cell | [Tiny parity](#tiny-parity) | Empty |" in text
+
+
+def test_a_row_that_disagrees_or_agrees_partly_is_checked_at_4x_steps_every_seed_and_shown_beside_it(tmp_path, code):
+    """A stand-in parity table: DeltaNet with [-1, 1] eigenvalues "solves parity" in its paper; here it solves the
+    training length only (0.95 at 8, half of it at 16): "partly", so its budget check trains every seed at its chosen
+    lr with 4x the steps; DeltaNet with [0, 1] agrees ("not parity") and is not checked."""
+    table = dataclasses.replace(tiny_table(("deltanet",)), key="parity",
+                                settings=(Setting("deltanet"), Setting("deltanet", (protocol.NEG,))))
+    check = protocol.budget_check(table)
+    assert (check.key, check.steps, check.base) == ("parity_x4", 24, table)
+    ledger = runner.Ledger([table, check], tmp_path / "out", tmp_path / "docs", COMMIT, KIND, MACHINE)
+    executor = runner.Executor(code, tmp_path / "out", [], pin=False)
+    merged = lambda done: [records.merge(tmp_path / "docs", t, [r for r in done if r["table"] == t.key])  # noqa: E731
+                           for t in (table, check)]
+    assert runner.run(ledger, [table, check], executor, 2, float("inf"), say=lambda line: None, on_done=merged) == 0
+    ran = [j for j in starts(tmp_path) if j["steps"] == "24"]
+    assert sorted((j["model"], j.get("model.allow_neg_eigval"), j["optimizer.lr"], j["seed"]) for j in ran) == [
+        ("deltanet", "true", "1e-3", str(seed)) for seed in range(3)]
+    assert len(records.read_table(tmp_path / "docs", "parity_x4")) == 3
+    text = page.build(tmp_path / "docs", {"parity": table, "parity_x4": check})[0]
+    assert "| agrees? at 24 steps |" in text and "## Tiny parity at 4x steps" not in text
+    neg = next(line for line in text.splitlines() if line.startswith("| deltanet model.allow_neg_eigval=true |"))
+    assert "| partly: solved to 8, 0.475 at 16 | partly: solved to 8, 0.475 at 16 (0.95 at 8, 0.475 at 16) |" in neg
+    plain = next(line for line in text.splitlines() if line.startswith("| deltanet |") and "±" in line)
+    assert "| agrees | - |" in plain
+    # The plan counts the check's jobs once its base rows are complete.
+    lines = []
+    runner.print_plan(ledger, [table, check], 2, say=lines.append)
+    assert any("parity_x4: budget check of parity: 1 settings" in line and "= 3 jobs, 3 recorded" in line
+               for line in lines)

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from rnnlab.files import exclusive_lock, lock_holder
 from rnnlab.sweep_status import duration, schedule_seconds, status_line
-from rnnlab.zoo import records
+from rnnlab.zoo import page, records
 from rnnlab.zoo.protocol import Choice, Setting, Table, edge_choice, job_dirname, lr_text, same_lr
 
 # Overrides the protocol fixes: `run`'s extra overrides may not set them.
@@ -164,7 +164,8 @@ class Ledger:
                  machine: str | None = None):
         self.out, self.docs, self.commit, self.kind = Path(out), Path(docs), commit, kind
         self.machine = machine  # this machine's name: its own records predict its times best
-        self.committed = {t.key: [r for r in records.read_table(docs, t.key) if self._ours(r)] for t in tables}
+        every = {t.key: t for t in tables} | {t.base.key: t.base for t in tables if t.base is not None}
+        self.committed = {key: [r for r in records.read_table(docs, key) if self._ours(r)] for key in every}
         self._final: dict[str, dict[str, Any]] = {}
 
     def _ours(self, record: dict[str, Any]) -> bool:
@@ -236,7 +237,7 @@ def seeds_waiting(ledger: Ledger, tables: Sequence[Table]) -> list[Job]:
     yet): what a prediction counts beside the ready jobs."""
     waiting = []
     for table in tables:
-        for setting in table.settings:
+        for setting in table.settings if table.base is None else ():
             choice = choice_of(ledger, table, setting)
             if not choice.final:  # at the best lr so far; those already recorded there count as done
                 waiting += [j for j in seed_jobs(table, setting, choice.best or table.lrs[0]) if not ledger.record(j)]
@@ -260,9 +261,33 @@ class Plan:
         return len(self.done) + len(self.todo_now) + self.later + self.excluded
 
 
+def base_row(ledger: Ledger, base: Table, setting: Setting) -> "page.Row":
+    """The setting's row of `base` from the records known (as the page draws it)."""
+    recs = [r for j in known_jobs(ledger, base, setting) if (r := ledger.record(j)) is not None]
+    return page.rows_of(base, recs, [setting.name])[0]
+
+
+def budget_jobs(ledger: Ledger, table: Table, setting: Setting) -> list[Job] | None:
+    """A budget check's jobs of a setting: every seed at the lr its base table chose, where the base row is complete
+    and disagrees with its papers or agrees only partly (`page.needs_budget_check`); [] where it needs none; None
+    while the base row is not complete."""
+    row = base_row(ledger, table.base, setting)
+    if not row.complete:
+        return None
+    if row.lr is None or not page.needs_budget_check(row, table.base):
+        return []
+    return [Job(table, setting, row.lr, seed) for seed in range(table.seeds)]
+
+
 def make_plan(ledger: Ledger, tables: Sequence[Table], running: Sequence[str] = ()) -> Plan:
     done, seeds_now, grids_now, later, no_lr, extensions = [], [], [], 0, [], []
     for table in tables:
+        if table.base is not None:  # a budget check: its settings' seeds, once their base rows are complete
+            for setting in table.settings:
+                jobs = budget_jobs(ledger, table, setting)
+                for job in jobs or []:
+                    (done if ledger.record(job) else seeds_now).append(job)
+            continue
         for setting in table.settings:
             choice = choice_of(ledger, table, setting)
             for job in seed0_jobs(choice, table, setting):
@@ -350,6 +375,13 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
     say(f"commit {ledger.commit or '(any)'} on {ledger.machine or ledger.kind}; run dirs in {ledger.out}")
     for table in tables:
         mine = [j for j in plan.done if j.table is table]
+        if table.base is not None:
+            todo = [j for j in plan.todo_now if j.table is table]
+            settings = len({j.setting for j in mine + todo})
+            say(f"  {table.key}: budget check of {table.base.key}: {settings} settings that disagree with their papers "
+                f"or agree partly x {table.seeds} seeds at {table.steps} steps = {len(mine) + len(todo)} jobs, "
+                f"{len(mine)} recorded")
+            continue
         jobs = len(table.settings) * table.jobs_per_setting()
         added = [j for j in plan.extensions if j.table is table]
         say(f"  {table.key}: {len(table.settings)} settings x ({len(table.lrs)} lrs + {table.seeds - 1} seeds) = "
@@ -575,7 +607,10 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
 
 
 def known_jobs(ledger: Ledger, table: Table, setting: Setting) -> list[Job]:
-    """A setting's jobs known so far: seed 0's lrs, and its seeds once the choice is final."""
+    """A setting's jobs known so far: seed 0's lrs, and its seeds once the choice is final (a budget check's: its
+    seeds at the base table's choice)."""
+    if table.base is not None:
+        return budget_jobs(ledger, table, setting) or []
     choice = choice_of(ledger, table, setting)
     seeds = seed_jobs(table, setting, choice.lr) if choice.final and choice.lr is not None else []
     return seed0_jobs(choice, table, setting) + seeds
