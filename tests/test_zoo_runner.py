@@ -518,3 +518,31 @@ def test_a_row_that_disagrees_or_agrees_partly_is_checked_at_4x_steps_every_seed
     runner.print_plan(ledger, [table, check], 2, say=lines.append)
     assert any("parity_x4: budget check of parity: 1 settings" in line and "= 3 jobs, 3 recorded" in line
                for line in lines)
+
+
+def test_mqar_over_width_is_one_section_of_every_setting_at_each_width_with_its_plot(tmp_path):
+    """Two stand-in width tables (H=16, 32): each row of the section is a setting's accuracy at the training length at
+    each width (its own lr grid per width), then its state floats; a width a setting has not finished shows -."""
+    widths = [dataclasses.replace(tiny_table(("gru", "deltanet")), key=f"w{w}", width=w, overrides=(f"hidden_dim={w}",))
+              for w in (16, 32)]
+    assert protocol.suite_tables("width")[0].width == 16 and [t.width for t in protocol.suite_tables("width")] == [
+        16, 32, 64, 128]
+    docs = tmp_path / "docs"
+    for table in widths:
+        for setting in table.settings:
+            if table.width == 32 and setting.cell == "deltanet":
+                continue  # not run yet at this width
+            score = 0.9 if setting.cell == "deltanet" else 0.3 + table.width / 100
+            jobs = [(lr, 0) for lr in (1e-3, 3e-3, 1e-2)] + [(3e-3, 1), (3e-3, 2)]
+            records.merge(docs, table, [records.record_from_results(table, setting, lr, seed, {
+                "status": "completed", "step": 6, "state_floats": table.width * (8 if setting.cell == "deltanet" else 1),
+                "eval_by_len": {"8": {"accuracy": score if lr == 3e-3 else score - 0.1}},
+                "provenance": {"commit": COMMIT, "machine": {"platform": "cpu", "cpu": "Stand-in", "cpu_cores": 2}}},
+                "x") for lr, seed in jobs])
+    text = page.build(docs, {t.key: t for t in widths})[0]
+    assert "## MQAR over width" in text and "## Tiny parity" not in text and "## Coverage" not in text
+    assert "| setting | accuracy@8, H=16 | accuracy@8, H=32 | state floats, H=16 | state floats, H=32 |" in text
+    assert "| gru | 0.46 ± 0 | 0.62 ± 0 | 16 | 32 |" in text and "| deltanet | 0.9 ± 0 | - | 128 | - |" in text
+    assert "width 16: commit `0123456789ab`, 2 of 2 settings; width 32: commit `0123456789ab`, 1 of 2" in text
+    written = page.write(docs, {t.key: t for t in widths})
+    assert [p.name for p in written] == ["results.md", "results_mqar8_width.png"]

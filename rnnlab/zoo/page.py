@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import re
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rnnlab.zoo import records
 from rnnlab.zoo.protocol import Choice, Setting, Table, edge_choice, lr_text, same_lr
@@ -294,6 +295,87 @@ def plot(rows: Sequence[Row], table: Table, path: Path) -> None:
         fig.savefig(path, dpi=100, metadata={"Software": None})
 
 
+WIDTH_PLOT = PLOTS.replace("*", "mqar8_width")
+
+
+def width_rows(widths: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]) -> dict[str, dict[int, Row]]:
+    """Each setting's complete row at each width: {setting: {width: row}}."""
+    found: dict[str, dict[int, Row]] = {}
+    for table in widths:
+        for row in built[table.key][0]:
+            if row.complete and row.lr is not None:
+                found.setdefault(row.setting, {})[table.width] = row
+    return found
+
+
+def state_floats(row: Row) -> float | None:
+    return next((float(r["state_floats"]) for r in row.chosen if r.get("state_floats")), None)
+
+
+def width_section(widths: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]) -> list[str]:
+    """MQAR over width: each setting's accuracy at the training length at every width (mean ± sd over its seeds at
+    the lr its width's grid chose), and its recurrent state in floats per layer, as Zoology's Figure 2 plots it."""
+    first = widths[0]
+    rows = width_rows(widths, built)
+    sources = [f"width {t.width}: commit `{(built[t.key][1][0] or 'none')[:12]}`, "
+               f"{sum(r.complete for r in built[t.key][0])} of {len(t.settings)} settings" for t in widths]
+    head = ["setting", *(f"{first.metric}@{first.train_len}, H={t.width}" for t in widths),
+            *(f"state floats, H={t.width}" for t in widths)]
+    lines = ["## MQAR over width", "",
+             f"Zoology's Figure 2 as this lab runs it: MQAR at 8 pairs, every cell at H = "
+             f"{', '.join(str(t.width) for t in widths)}, each width a table under the protocol (its own lr grid "
+             f"with the edge rule, {first.seeds} seeds at the chosen lr). Each cell keeps its config's head count and "
+             "state size at every width (`rnnlab/zoo/protocol.py`, WIDTHS). " + "; ".join(sources) + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for name in [s.name for s in first.settings] + sorted(set(rows) - {s.name for s in first.settings}):
+        mine = rows.get(name, {})
+        if not mine:
+            continue
+        accuracy = [cell_text(mine[t.width], t, t.train_len) if t.width in mine else "-" for t in widths]
+        floats = [f"{state_floats(mine[t.width]):,.0f}" if t.width in mine and state_floats(mine[t.width]) else "-"
+                  for t in widths]
+        lines.append("| " + " | ".join([name, *accuracy, *floats]) + " |")
+    return [*lines, "", f"![MQAR over width]({WIDTH_PLOT})", ""]
+
+
+def plot_width(widths: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]], path: Path) -> None:
+    """Accuracy at the training length against width and against state floats (log 2 axes), a line per setting, mean
+    with sd error bars; fixed size, dpi and style, so the same records draw the same pixels."""
+    import matplotlib
+    import matplotlib.style
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    first = widths[0]
+    rows = width_rows(widths, built)
+    with matplotlib.style.context("default"):
+        fig = Figure(figsize=(11.0, 4.2), dpi=100)
+        FigureCanvasAgg(fig)
+        by_width, by_state = fig.subplots(1, 2, sharey=True)
+        cmap = matplotlib.colormaps["tab20"]
+        for i, (name, mine) in enumerate(sorted(rows.items())):
+            points = sorted(mine.items())
+            ys = [r.stats(first, first.train_len)[0] for _, r in points]
+            errs = [r.stats(first, first.train_len)[1] or 0.0 for _, r in points]
+            style = dict(marker="o", capsize=3, color=cmap(i % 20), linestyle="-" if i < 20 else "--")
+            by_width.errorbar([w for w, _ in points], ys, yerr=errs, label=name, **style)
+            floats = [state_floats(r) for _, r in points]
+            if all(floats):
+                by_state.errorbar(floats, ys, yerr=errs, **style)
+        by_width.set_xscale("log", base=2)
+        by_width.set_xticks([t.width for t in widths], [str(t.width) for t in widths])
+        by_width.minorticks_off()
+        by_state.set_xscale("log", base=2)
+        by_width.set_ylim(-0.02, 1.02)
+        by_width.set_xlabel("model width (hidden_dim)")
+        by_state.set_xlabel("recurrent state (floats per layer)")
+        by_width.set_ylabel(f"{first.metric}@{first.train_len}: mean ± sd over seeds")
+        fig.suptitle("MQAR, 8 pairs, over width: each setting at its chosen lr per width", fontsize=10)
+        by_state.legend(*by_width.get_legend_handles_labels(), fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        fig.savefig(path, dpi=100, metadata={"Software": None})
+
+
 def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
 
@@ -320,8 +402,8 @@ def coverage(tables: Sequence[Table], built: Mapping[str, tuple[list[Row], Any]]
     return lines
 
 
-def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[Row]]]:
-    """The page's markdown and each table's rows under the protocol (for the plots)."""
+def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, Callable[[Path], None]]]:
+    """The page's markdown, and each plot it names with what draws it (`write`)."""
     built: dict[str, tuple[list[Row], Any]] = {}
     for table in tables.values():
         recs = records.read_table(docs, table.key)
@@ -329,7 +411,8 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
         mine = [r for r in recs if (records.commit_of(r), records.kind_of(r)) == (commit, kind)]
         names = [s.name for s in table.settings] + sorted({r["setting"] for r in mine} - {s.name for s in table.settings})
         built[table.key] = (rows_of(table, mine, names), (commit, kind, mine, len(recs) - len(mine)))
-    regenerated = [t for t in tables.values() if built[t.key][1][2] and t.base is None]
+    regenerated = [t for t in tables.values() if built[t.key][1][2] and t.base is None and not t.width]
+    widths = sorted((t for t in tables.values() if t.width), key=lambda t: t.width)
     checks = {t.base.key: t for t in tables.values() if t.base is not None}  # base table -> its budget check
     lines = ["# Results: the zoo under its protocol", "",
              "Generated by `python -m rnnlab.zoo page` from the per-job records in `docs/zoo/records/` (written by "
@@ -345,14 +428,14 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
              "header (every CPU model is one kind: XLA computes the same float32 programs on each; where a table's "
              "jobs ran on several machines, the header names them and each row's tokens/s says on which); records "
              "of other commits or devices are counted there, not mixed in.", ""]
-    cell_tables = [t for t in tables.values() if t.cell_key == "model" and t.base is None]
+    cell_tables = [t for t in tables.values() if t.cell_key == "model" and t.base is None and not t.width]
     if cell_tables:
         lines += ["## Coverage", "", "Each cell's default setting in each table (or the one setting a table runs it with), at the table's "
                   "commit and device: ✓ "
                   "under the protocol (its grid and every seed at the chosen lr), k/n jobs recorded so far, - none yet "
                   "(a table with none is not on the page yet: see [Earlier runs](#earlier-runs)).", "",
                   *coverage(cell_tables, built), ""]
-    plotted: dict[str, list[Row]] = {}
+    plotted: dict[str, Callable[[Path], None]] = {}  # file name -> what draws it there
     for table in regenerated:
         rows, (commit, kind, mine, others) = built[table.key]
         complete = [r for r in rows if r.complete]
@@ -378,7 +461,7 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
                 lines += [sentence, ""] if sentence else []
             if any(r.lr is not None for r in done) and len(table.eval_lens) > 1:  # a metric against length
                 lines += [f"![{table.title}]({plot_name(table)})", ""]
-                plotted[table.key] = [r for r in done if r.lr is not None]
+                plotted[plot_name(table)] = functools.partial(plot, [r for r in done if r.lr is not None], table)
         if waiting:
             lines += ["In progress: " + ", ".join(f"{r.setting} ({r.jobs()}/{r.expected(table)} jobs)"
                                                   for r in waiting) + ".", ""]
@@ -394,6 +477,9 @@ def build(docs: Path, tables: Mapping[str, Table]) -> tuple[str, dict[str, list[
                          "steps, every seed, at this table's commit (the papers trained far longer): its verdict, and "
                          "the seeds' mean at the training and the longest length." if table.key in checks else ""),
                       ""]
+    if widths and any(width_rows(widths, built).values()):
+        lines += width_section(widths, built)
+        plotted[WIDTH_PLOT] = functools.partial(plot_width, widths, built)
     lines += earlier(docs, tables, built)
     return "\n".join(lines).rstrip("\n") + "\n", plotted
 
@@ -437,10 +523,9 @@ def write(docs: Path, tables: Mapping[str, Table], plots: bool = True) -> list[P
             import matplotlib  # noqa: F401
         except ImportError:
             return written
-        for key, rows in plotted.items():
-            path = Path(docs) / plot_name(tables[key])
-            plot(rows, tables[key], path)
-            written.append(path)
+        for name, draw in plotted.items():
+            draw(Path(docs) / name)
+            written.append(Path(docs) / name)
         for stale in sorted(set(Path(docs).glob(PLOTS)) - set(written)):
             stale.unlink()
     return written

@@ -85,6 +85,8 @@ class Table:
     # A budget check (`budget_check`): this table reruns `base`'s settings that disagree with their papers (or agree
     # only partly), at the lr `base` chose, every seed, at its own (longer) `steps`; it has no grid of its own.
     base: "Table | None" = None
+    width: int = 0  # a table of a width sweep (`WIDTHS`): its hidden_dim, drawn as one point of the width section
+    like: str = ""  # a table whose records predict this one's job times until it has its own (plan, --deadline)
 
     @property
     def choose_key(self) -> str:
@@ -227,7 +229,7 @@ def budget_check(table: Table) -> Table:
     about 4,850 at batch 2,048): the cheapest check of a disagreement is more training."""
     return dataclasses.replace(
         table, key=f"{table.key}_x{BUDGET_FACTOR}", title=f"{table.title} at {BUDGET_FACTOR}x steps",
-        steps=table.steps * BUDGET_FACTOR, base=table, about=f"The rows of {table.title} that disagree with their "
+        steps=table.steps * BUDGET_FACTOR, base=table, like=table.key, about=f"The rows of {table.title} that disagree with their "
         f"papers, or agree only partly, at their chosen lr with {BUDGET_FACTOR}x the steps, every seed.")
 
 
@@ -280,6 +282,20 @@ TABLES["text"] = Table(
     "unigram entropy of the training text is 4.81 bits.", choose_on="valid",
     split_columns=(("valid", "bpc"), ("test", "bpc"), ("test", "bpc_reset")), population=False)
 
+# MQAR over width (Zoology's Figure 2: accuracy against model width, and against state size): every cell at four
+# widths on MQAR at 8 pairs, each width a table of its own under the protocol (its own lr grid and edge rule, three
+# seeds), all at one commit. Each cell keeps its config's head count and state size at every width, so the head
+# width scales with hidden_dim (hidden_dim / num_heads: attention, the mLSTM, RWKV-7, the sLSTM 4 heads; the
+# DeltaNet family and GLA their defaults); Mamba-2 keeps its head width P=64 (one head where expand * hidden_dim < 64)
+# and Mamba its N=16, as their papers scale a model by d_model.
+WIDTHS = (16, 32, 64, 128)
+for _width in WIDTHS:
+    TABLES[f"mqar8_w{_width}"] = Table(
+        f"mqar8_w{_width}", f"MQAR, 8 pairs, width {_width}", "zoo_mqar", ("data.num_pairs=8", f"hidden_dim={_width}"),
+        _cells(), ZOOLOGY_LRS, 3, 2000, "accuracy", True, 64, (64, 128),
+        f"`experiment=zoo_mqar data.num_pairs=8 hidden_dim={_width}`: the MQAR-8 table at width {_width}.",
+        width=_width, like="mqar8")
+
 for _key in ("parity", "s3"):
     TABLES[budget_check(TABLES[_key]).key] = budget_check(TABLES[_key])
 
@@ -289,6 +305,7 @@ SUITES: dict[str, tuple[str, ...]] = {
     "core": ("parity", "selective_copy", "mqar8", "s3", "parity_x4", "s3_x4"),
     "second": ("mqar4", "mqar16", "hybrid_mqar4", "hybrid_mqar8", "hybrid_mqar16", "hybrid_selective_copy"),
     "text": ("text",),
+    "width": tuple(f"mqar8_w{w}" for w in WIDTHS),
 }
 
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 
 from rnnlab.files import exclusive_lock, lock_holder
 from rnnlab.sweep_status import duration, schedule_seconds, status_line
-from rnnlab.zoo import page, records
+from rnnlab.zoo import page, protocol, records
 from rnnlab.zoo.protocol import Choice, Setting, Table, edge_choice, job_dirname, lr_text, same_lr
 
 # Overrides the protocol fixes: `run`'s extra overrides may not set them.
@@ -310,11 +310,14 @@ def make_plan(ledger: Ledger, tables: Sequence[Table], running: Sequence[str] = 
 def job_seconds(ledger: Ledger, tables: Sequence[Table]) -> Callable[[Job], float | None]:
     """A job's predicted wall time on this machine from the records of this device kind (any commit); None with no
     record at all. A cell with no record yet is predicted from the cells that have one (an underestimate while
-    only the fast ones have run: `plan --probe` times one job per table)."""
+    only the fast ones have run: `plan --probe` times one job per table). A table `like` another is predicted from
+    that one's records too (scaled by the cells both ran, else by their steps)."""
     by_cell: dict[tuple[str, str], list[float]] = {}
     here: dict[tuple[str, str], list[float]] = {}  # the same, from this machine's own records
     per_step: list[float] = []
-    for table in tables:
+    known = {t.key for t in tables}
+    tables = [*tables, *(protocol.TABLES[t.like] for t in tables if t.like in protocol.TABLES and t.like not in known)]
+    for table in dict.fromkeys(tables):
         for record in records.read_table(ledger.docs, table.key):
             seconds = record.get("wall_seconds")
             if record.get("status") == "completed" and seconds and records.kind_of(record) == ledger.kind:
