@@ -40,6 +40,12 @@ from omegaconf import DictConfig, OmegaConf
 from rnnlab.board import override_key
 from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
 from rnnlab.config import Config, ConfigError, from_omegaconf
+from rnnlab.exit_codes import ABORTED as EXIT_ABORTED  # the codes, defined once (rnnlab/exit_codes.py)
+from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
+from rnnlab.exit_codes import BUG as EXIT_BUG
+from rnnlab.exit_codes import CANNOT_WRITE as EXIT_CANNOT_WRITE
+from rnnlab.exit_codes import DIVERGED as EXIT_DIVERGED
+from rnnlab.exit_codes import PREEMPTED as EXIT_PREEMPTED
 from rnnlab.metrics import JobFailed, write_failure
 from rnnlab.rundir import RunDirBusy
 from rnnlab.sweep_status import SWEPT_KEYS_ENV, SweepRefused, job_output_to, varied_overrides
@@ -49,12 +55,6 @@ from rnnlab.sweep_status import SWEPT_KEYS_ENV, SweepRefused, job_output_to, var
 for _handler in list(logging.root.handlers):
     logging.root.removeHandler(_handler)
 
-EXIT_BUG = 1
-EXIT_BAD_INPUT = 2
-EXIT_DIVERGED = 3
-EXIT_CANNOT_WRITE = 74  # EX_IOERR
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again
-EXIT_ABORTED = 130
 SWEEP_DIR_ENV = "RNNLAB_SWEEP_DIR"  # run_cli -> the launcher and its workers: the sweep dir (conf/config.yaml)
 STUCK_THREAD_SECONDS = 10.0  # how long an exit waits for other threads (Orbax's) before leaving without them
 

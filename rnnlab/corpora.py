@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import ClassVar, Mapping
 
+from rnnlab import exit_codes
 from rnnlab.files import cache_dir, write_json
 from rnnlab.registry import Registry
 
@@ -369,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{len(documents)} documents, {len(documents.text):,} bytes")
     except CorpusError as e:
         print(f"rnnlab: error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        return exit_codes.BAD_INPUT
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

@@ -33,8 +33,12 @@ from rnnlab.sweep_status import job_output_to, varied_overrides
 
 log = logging.getLogger(__name__)
 
-# train.py's exit codes (its docstring): bad input, diverged, the run dir not writable, preempted, a bug.
-EXIT_BUG, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_CANNOT_WRITE, EXIT_PREEMPTED = 1, 2, 3, 74, 75
+# The exit codes, defined once (rnnlab/exit_codes.py): bad input, diverged, the run dir not writable, preempted, a bug.
+from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT  # noqa: E402
+from rnnlab.exit_codes import BUG as EXIT_BUG  # noqa: E402
+from rnnlab.exit_codes import CANNOT_WRITE as EXIT_CANNOT_WRITE  # noqa: E402
+from rnnlab.exit_codes import DIVERGED as EXIT_DIVERGED  # noqa: E402
+from rnnlab.exit_codes import PREEMPTED as EXIT_PREEMPTED  # noqa: E402
 
 
 class _Job:

@@ -190,7 +190,8 @@ def _locked(folder: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-EXIT_BAD_INPUT, EXIT_CANNOT_WRITE = 2, 74  # train.py's codes: a sweep dir in use, one that cannot be written
+from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT  # noqa: E402  (a sweep dir in use)
+from rnnlab.exit_codes import CANNOT_WRITE as EXIT_CANNOT_WRITE  # noqa: E402  (one that cannot be written)
 SWEEP_LOCK = ".sweep.lock"  # in the sweep dir: held by the process that runs the sweep, for its life
 
 

@@ -39,11 +39,11 @@ import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rnnlab import config as cfg  # noqa: E402
-from rnnlab import parallel, steps, tasks  # noqa: E402
+from rnnlab import exit_codes, parallel, steps, tasks  # noqa: E402
 from rnnlab.checkpoint import Checkpointer, PreemptionGuard, saved_steps  # noqa: E402
 from rnnlab.models import build_model  # noqa: E402
 
-EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_ABORTED = 2, 75, 130
+EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_ABORTED = exit_codes.BAD_INPUT, exit_codes.PREEMPTED, exit_codes.ABORTED
 DEFAULT_MAX_MINUTES = 60.0  # train.py's eval_max_minutes default
 MAX_SEGMENT = 65_536  # a length up to --segment runs whole, in one call whose memory grows with it
 

@@ -31,11 +31,11 @@ import numpy as np  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from rnnlab import config as cfg  # noqa: E402
-from rnnlab import decode, steps, tasks, textdata  # noqa: E402
+from rnnlab import decode, exit_codes, steps, tasks, textdata  # noqa: E402
 from rnnlab.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from rnnlab.models import build_model, initial_state  # noqa: E402
 
-EXIT_BAD_INPUT = 2
+EXIT_BAD_INPUT = exit_codes.BAD_INPUT
 # One compiled loop draws every byte of every sample, one step at a time, and holds them (and a key per step)
 # until the end: nothing can stop it between, so `--length` and `--samples` are bounded where it still ends in
 # minutes on a CPU (2 cores: 10 µs a byte at hidden_dim=8, 0.5 ms at an LSTM of 2 x 512) and in memory of no account.

@@ -23,12 +23,13 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from rnnlab import exit_codes
 from rnnlab.zoo import protocol, records, runner
 from rnnlab.zoo.protocol import Table
 from rnnlab.zoo.runner import ZooError, ZooUnwritable
 
 DEFAULT_OUT = Path("zoo_runs")
-EXIT_BAD_INPUT, EXIT_CANNOT_WRITE, EXIT_ABORTED = 2, 74, 130
+EXIT_BAD_INPUT, EXIT_CANNOT_WRITE, EXIT_ABORTED = exit_codes.BAD_INPUT, exit_codes.CANNOT_WRITE, exit_codes.ABORTED
 
 
 def duration_seconds(text: str) -> float:
@@ -153,7 +154,7 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
     args.overrides = extra
     if extra and args.command not in ("plan", "run"):
         print(f"zoo: error: overrides after -- belong to plan and run, not {args.command}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     try:
         check_docs(args.docs)
         if args.command == "page":
@@ -161,12 +162,12 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
 
             written = page.write(args.docs, tables, plots=not args.no_plots)
             print(f"zoo: {', '.join(str(p) for p in written)}")
-            return 0
+            return exit_codes.OK
         if args.command == "collect":
             chosen = selected(args, tables, suites) if args.suite else list(tables.values())
             changed = collect(args.out, args.docs, chosen)
             print(f"zoo: {changed} record(s) written under {records.records_dir(args.docs)}")
-            return 0
+            return exit_codes.OK
         runner.check_extra(args.overrides)
         chosen = selected(args, tables, suites)
         alone = [t.key for t in chosen if not t.population]
@@ -188,7 +189,7 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
                 if args.probe:
                     probe(code, chosen, args.out, ledger, args.overrides)
                 runner.print_plan(ledger, chosen, parallel)
-                return 0
+                return exit_codes.OK
             warn_if_dirty(root, commit)
             executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
             executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from rnnlab import exit_codes
 from rnnlab.files import exclusive_lock, lock_holder
 from rnnlab.sweep_status import duration, schedule_seconds, status_line
 from rnnlab.zoo import page, protocol, records
@@ -605,8 +606,8 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
         _restore_signals(previous)
     plan = make_plan(ledger, tables)
     if plan.todo_now or plan.later or waiting:
-        return 75 if stopped else 1
-    return 0
+        return exit_codes.PREEMPTED if stopped else exit_codes.BUG
+    return exit_codes.OK
 
 
 def known_jobs(ledger: Ledger, table: Table, setting: Setting) -> list[Job]:
@@ -628,7 +629,7 @@ def ended_without_record(ledger: Ledger, job: Job, unit: Unit) -> str:
     step = results.get("step")
     if results.get("status") == "preempted" and isinstance(step, int) and step > 0:
         return f"stopped at step {step} (exit {code}); the next run resumes it"
-    if results.get("status") == "preempted" or code in (75, -signal.SIGTERM, -signal.SIGKILL):
+    if results.get("status") == "preempted" or code in (exit_codes.PREEMPTED, -signal.SIGTERM, -signal.SIGKILL):
         return f"stopped before its first checkpoint (exit {code}); the next run starts it again"
     log = unit.log_path or run_dir / "stdout.log"
     try:
