@@ -235,7 +235,7 @@ class FlaxStep:
                 return nn.Dense(1)(x)
 
         inputs, targets = jnp.asarray(batch.inputs), jnp.asarray(batch.targets)
-        model = Model()
+        model = self.model = Model()
         params = jax.jit(model.init)(jax.random.key(0), inputs)
         tx = optax.adam(LR)
 
@@ -252,7 +252,7 @@ class FlaxStep:
 
     def __call__(self, n: int) -> None:
         for _ in range(n):
-            params, opt_state, loss = self.step(*self.carry)
+            params, opt_state, self.loss = self.step(*self.carry)  # the loss before the step's update
             self.carry = (params, opt_state)
         jax.block_until_ready(self.carry)
 

@@ -11,9 +11,11 @@ import contextlib
 import functools
 import importlib
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
@@ -48,6 +50,16 @@ TEXT_FIXTURE_DATA = ["data=text", "data.corpus=file", f"data.corpus_dir={ROOT / 
 
 import pytest  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
+
+# CI (`CI` set, as CI services set it) draws Hypothesis's examples from a fixed seed, a hash of each test: a CI run
+# fails on what the one before would have failed on, and `CI=true pytest ...` at home draws the same examples. Without
+# CI the draws stay random (a failure's example is kept in .hypothesis/). Loaded here, before the test modules are
+# imported, so that a test's own @settings take the rest from it (tests/test_suite_config.py checks that they do).
+# Recent Hypothesis loads a "ci" profile of its own under CI; this one does so on every version the test extra allows.
+hypothesis_settings.register_profile("rnnlab-ci", derandomize=True, database=None, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    hypothesis_settings.load_profile("rnnlab-ci")
 
 from rnnlab.cpu import set_cpu_xla_flags  # noqa: E402
 
@@ -203,3 +215,10 @@ def assert_same_tree(a, b):
 @pytest.fixture
 def tiny():
     return tiny_config
+
+
+@pytest.fixture
+def seeded_random(request):
+    """A `random.Random` seeded from the test's name (parameters included): a test that stops a process at a random
+    moment draws the same moments on every run and every machine, so a failure reproduces."""
+    return random.Random(zlib.crc32(request.node.name.encode()))

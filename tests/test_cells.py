@@ -1,6 +1,7 @@
 """LSTM and GRU against NumPy and torch; custom_vjp == autodiff; vmap init == scan init; remat; bf16; dropout."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -115,9 +116,19 @@ def test_vmap_init_matches_scan_init(cell, scheme):
         # Same distribution: matching moments (thousands of draws per stacked matrix), same extremes.
         assert abs(a.mean() - b.mean()) < 0.02 and abs(a.std() - b.std()) < 0.1 * a.std() + 1e-6, jax.tree_util.keystr(path)
         assert abs(np.abs(a).max() - np.abs(b).max()) < 0.2 * np.abs(a).max() + 1e-6, jax.tree_util.keystr(path)
-    for how in ("scan", "vmap"):  # independent draws per layer either way
-        w_hh = np.asarray(trees[how]["stack"]["layers"]["cell"]["W_hh"])
-        assert w_hh.shape[0] == 5 and (scheme == "identity" or not np.allclose(w_hh[0], w_hh[1]))
+    for how in ("scan", "vmap"):  # independent draws per layer either way: no two of the 6 layers alike
+        stack = trees[how]["stack"]
+        at = lambda tree, path: functools.reduce(dict.__getitem__, path, tree)  # noqa: E731
+        per_layer = lambda *path: [np.asarray(at(stack["layer_0"], path)),  # noqa: E731  (layer_0, then the 5 stacked)
+                                   *np.asarray(at(stack["layers"], path))]
+        for path in [("W_xh",), ("cell", "W_hh")] if scheme != "identity" else [("W_xh",)]:  # W_xh: drawn either way
+            layers = per_layer(*path)
+            assert len(layers) == 6 and all(a.shape == layers[0].shape for a in layers), (how, path)
+            for i in range(6):
+                for j in range(i):
+                    assert not np.allclose(layers[i], layers[j]), (how, path, i, j)
+        if scheme == "identity":  # W_hh is I in every layer, not drawn
+            np.testing.assert_array_equal(np.stack(per_layer("cell", "W_hh")), np.broadcast_to(np.eye(32), (6, 32, 32)))
 
 
 def test_lstm_forget_bias_is_a_config_key():

@@ -6,6 +6,7 @@ import json
 import os
 
 from conftest import tiny_config
+from rnnlab import config as cfg
 from rnnlab.trainer import train_and_evaluate
 
 
@@ -50,9 +51,26 @@ def test_a_finished_text_run_evaluates_again_with_other_eval_streams(tmp_path):
     assert not (tmp_path / "checkpoints" / "config_history.json").exists()  # no training change was recorded
 
 
+def nested(flat):
+    """{'model.cell': 'rnn', ...} -> {'model': {'cell': 'rnn'}, ...}: the nested dict `config.from_dict` reads."""
+    tree = {}
+    for dotted, value in flat.items():
+        node = tree
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return tree
+
+
 def test_results_json_records_the_config_and_provenance(tmp_path):
-    results = train_and_evaluate(tiny_config("steps=2", "log_every=1", "eval_every=2"), tmp_path)
-    assert results["config"]["steps"] == 2 and results["config"]["model.cell"] == results["config"]["model.cell"]
+    config = tiny_config("steps=2", "log_every=1", "eval_every=2")
+    results = train_and_evaluate(config, tmp_path)
+    recorded = results["config"]
+    assert recorded == json.loads((tmp_path / "results.json").read_text())["config"]
+    assert recorded["steps"] == 2 and recorded["model.cell"] == config.model.cell == "rnn"
+    assert (recorded["model.hidden_dim"], recorded["batch_size"], recorded["data.seq_len"]) == (8, 8, 6)  # TINY's
+    assert cfg.from_dict(nested(recorded)) == config  # the whole config, read back from the record alone
     prov = results["provenance"]
     assert len(prov["commit"]) == 40 and isinstance(prov["dirty"], bool)
     assert prov["machine"]["platform"] == "cpu" and prov["machine"]["cpu_cores"] == os.cpu_count()

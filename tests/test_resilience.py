@@ -5,7 +5,6 @@ would start and stop it. Interrupted runs must end bit-identical to an uninterru
 """
 
 import json
-import random
 import shutil
 import signal
 import subprocess
@@ -76,9 +75,9 @@ def five_step_run(tmp_path_factory):
     return run_dir
 
 
-def test_sigterm_at_a_random_step_then_rerun_is_bit_identical(tmp_path, reference):
+def test_sigterm_at_a_random_step_then_rerun_is_bit_identical(tmp_path, reference, seeded_random):
     run_dir = tmp_path / "run"
-    kill_after = random.Random().choice(range(10, STEPS - 10, 5))
+    kill_after = seeded_random.choice(range(10, STEPS - 10, 5))  # seeded from the test's name: a failure reproduces
     proc = start(run_dir)
     wait_for(proc, f"step {kill_after}/{STEPS}")
     proc.send_signal(signal.SIGTERM)
@@ -98,20 +97,22 @@ def test_sigterm_at_a_random_step_then_rerun_is_bit_identical(tmp_path, referenc
     assert logged_steps(run_dir) == expected
 
 
-def test_sigkill_at_random_moments_even_mid_save_then_rerun_is_bit_identical(tmp_path, reference):
+def test_sigkill_at_random_moments_even_mid_save_then_rerun_is_bit_identical(tmp_path, reference, seeded_random):
     run_dir = tmp_path / "run"
-    rng = random.Random()
-    for attempt in range(2):  # two hard kills while a save starts every step (not checked to land mid-save)
+    # Seeded from the test's name: the same delays on every run, so a failure reproduces (as far as the process's
+    # own timing allows).
+    delays = [seeded_random.uniform(0.0, 0.5) for _ in range(2)]
+    for attempt, delay in enumerate(delays):  # two hard kills while a save starts every step (not checked: mid-save)
         proc = start(run_dir, "checkpoint.every=1")
         # Once step 20 is logged, earlier saves have completed (Orbax finishes one save before
         # starting the next), so a kill soon after always leaves something to resume from.
         wait_for(proc, f"step {20 + 20 * attempt}/{STEPS}")
-        time.sleep(rng.uniform(0.0, 0.5))
+        time.sleep(delay)
         proc.kill()
         proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
+        assert proc.returncode == -signal.SIGKILL, f"kill {attempt} {delay:.3f} s after step {20 + 20 * attempt}"
     output = rerun(run_dir, "checkpoint.every=1")
-    assert "resumed from" in output
+    assert "resumed from" in output, f"killed {delays} s after steps 20 and 40"
     assert_same_tree(saved_state(run_dir, STEPS), reference)
     assert not list((run_dir / "checkpoints").glob("*tmp*"))  # half-written saves were cleaned up
     assert logged_steps(run_dir) == list(range(5, STEPS + 1, 5))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TEXT_FIXTURE_DATA, require, train_env
-from rnnlab import flops
+from rnnlab import flops, tasks
 
 
 def load_script(name):
@@ -56,7 +56,14 @@ def test_benchmark_gives_every_framework_the_whole_batch():
     assert whole.inputs.shape == (4, 6, 2) and whole.targets.shape == (4,)
     np.testing.assert_array_equal(whole.inputs[2:], np.asarray(step.batch.inputs[1]))
     flax_step = benchmark.FlaxStep("gru", 8, 4, 6, 1, whole)
-    flax_step(2)  # compiles and runs on the [4, 6, 2] batch
+    params = jax.tree_util.tree_map(np.array, flax_step.carry[0])  # a copy: the step donates its arguments
+    last_step_mse = lambda batch: float(np.mean(  # noqa: E731  (the loss FlaxStep trains, computed here)
+        (np.asarray(flax_step.model.apply(params, batch.inputs))[:, -1, 0] - batch.targets) ** 2))
+    want = last_step_mse(whole)
+    assert want != pytest.approx(last_step_mse(tasks.Batch(whole.inputs[:2], whole.targets[:2])), rel=1e-3)
+    flax_step(1)
+    assert flax_step.loss == pytest.approx(want, rel=1e-5)  # its step's loss is the whole batch's
+    flax_step(1)  # and runs again on its donated state
 
 
 def test_benchmark_composes_each_cells_own_model_config():

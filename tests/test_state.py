@@ -27,15 +27,28 @@ CUTS = (1, 7, 7, 1, 7)
 FAST = ("lstm", "lru", "mamba", "deltanet", "mlstm", "rwkv7")
 
 
+def auto_resolves_to(cell, cuts=CUTS):
+    """The forms `model.time_scan=auto` runs in `check_segments`, as the layer resolves it
+    (`Cell.resolve_time_scan`, called by `models.RecurrentLayer` with T and whether a state is carried): each
+    segment's length with a state, the whole sequence's without one and from the zero state."""
+    whole = sum(cuts)
+    return {cell.resolve_time_scan("auto", t, stateful) for t, stateful in [*((c, True) for c in cuts), (whole, False),
+                                                                             (whole, True)]}
+
+
 def cell_forms():
     """(model config, form) for every cell's yaml and each form of its cell that carries a state; `FAST`'s
-    own forms in the fast tier, the rest in the full tier."""
+    own forms in the fast tier, the rest in the full tier. An `auto` that resolves to one form at every length
+    `check_segments` runs is that form's case again, the same programs: left out
+    (test_the_auto_cases_left_out_are_their_forms_cases)."""
     cases = []
     for model in group_options("model"):
         m = compose_config([f"model={model}"]).model
         cell = cells.get_cell(m.cell)(1)
-        forms = [f for f in (m.time_scan, *cell.time_scans) if cell.carries_state(f)]
-        for i, form in enumerate(dict.fromkeys(forms)):
+        forms = list(dict.fromkeys(f for f in (m.time_scan, *cell.time_scans) if cell.carries_state(f)))
+        for i, form in enumerate(forms):
+            if form == "auto" and len(resolved := auto_resolves_to(cell)) == 1 and resolved <= set(forms):
+                continue
             fast = i == 0 and model in FAST
             cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=() if fast else pytest.mark.slow))
     return cases
@@ -83,6 +96,34 @@ def check_segments(overrides, cuts=CUTS, tokens=True, rtol=2e-5, atol=2e-5):
 @pytest.mark.parametrize("model,form", cell_forms())
 def test_segments_with_the_state_carried_equal_the_whole_sequence(model, form):
     check_segments([f"model={model}", f"model.time_scan={form}", *small_overrides(model)])
+
+
+# The yamls whose `auto` resolves to one form at every length `check_segments` runs, and that form.
+AUTO_IS = {"deltanet": "sequential", "gated_deltanet": "sequential", "deltaproduct": "sequential",
+           "rwkv7": "sequential", "mlstm": "parallel"}
+
+
+def test_the_auto_cases_left_out_are_their_forms_cases():
+    """`AUTO_IS`'s cells run one form for `auto` at every length of `check_segments`, with a state and without: their
+    `-auto` cases would repeat that form's, so `cell_forms` leaves them out. The layer builds the program of the form
+    `auto` resolves to (tests/test_auto_form.py, without a state); here, one segment with a state carried."""
+    ids = {case.id for case in cell_forms()}
+    yamls = {model: compose_config([f"model={model}"]).model for model in group_options("model")}
+    left_out = {model for model, m in yamls.items() if m.time_scan == "auto" and f"{model}-auto" not in ids}
+    assert left_out == set(AUTO_IS)
+    for model, form in AUTO_IS.items():
+        assert auto_resolves_to(cells.get_cell(yamls[model].cell)(1)) == {form} and f"{model}-{form}" in ids
+    for model in ("deltanet", "mlstm"):
+        programs = {}
+        for form in ("auto", AUTO_IS[model]):
+            config = compose_config([f"hidden_dim={H}", "num_layers=2", f"model={model}", f"model.time_scan={form}",
+                                     *small_overrides(model)])
+            net = build_model(config.model, output_dim=3, input_dim=5)
+            x = jnp.zeros((B, CUTS[1]), jnp.int32)
+            params = jax.eval_shape(net.init, jax.random.key(0), x)["params"]
+            state = initial_state(net, B, sum(CUTS))
+            programs[form] = str(jax.make_jaxpr(net.apply)({"params": params}, x, state=state))
+        assert programs["auto"] == programs[AUTO_IS[model]], model
 
 
 @pytest.mark.parametrize("model", fast_first(["rnn", "lstm", "mamba"]))

@@ -155,10 +155,35 @@ def test_modular_arithmetic_targets_are_pythons_value(seq_len, modulus):
     check()
 
 
-def test_deletangs_examples():
+def scripted(monkeypatch, text, steps):
+    """jax.random's draws, as the task's samplers make them (one per step, from `fold_in(key, step)`), replaced by
+    the expression `text`: step i draws its i-th symbol (a residue, or the operator's code in `+-*`), residue 0 and
+    `+` after its end."""
+    symbols = [int(s) if s.isdigit() else "+-*".index(s) for s in text.split()]
+    codes = jnp.array(symbols + [0] * (steps - len(symbols)), jnp.int32)
+    monkeypatch.setattr(jax.random, "fold_in", lambda key, step: step)
+    monkeypatch.setattr(jax.random, "randint", lambda step, shape, low, high: codes[step])
+
+
+@pytest.mark.parametrize("text,value", [("1 + 2 * 3", 2), ("1 - 1 - 1", 4), ("0 * 1 + 4 * 3 - 2", 0)])
+def test_deletangs_examples(text, value, monkeypatch):
+    """The worked examples of Deletang et al. (modulo 5) as the task computes them: its own sampler, its draws
+    scripted to be the example, padded in a longer example and cut into two segments carried across."""
+    n = len(text.split())
+    with monkeypatch.context() as patch:
+        scripted(patch, text, 11)
+        inputs, targets = map(np.asarray, ModularArithmeticTask(seq_len=11).sample_padded(jax.random.key(0), n))
+        task = ModularArithmeticTask(seq_len=n)
+        x1, y1, carry = task.sample_segment(jax.random.key(0), task.initial_carry(), jnp.int32(0), 2)
+        x2, y2, _ = task.sample_segment(jax.random.key(0), carry, jnp.int32(2), n - 2)
+    assert decode(task, inputs[:n]) == text and decode(task, np.concatenate([x1, x2])) == text
+    assert targets[n - 1] == value and (np.delete(targets, n - 1) == IGNORE).all()
+    assert np.concatenate([y1, y2])[-1] == value
+    assert eval(decode(task, inputs[:n])) % 5 == value  # noqa: S307  (the reference the test below uses)
+
+
+def test_modular_arithmetic_targets_are_pythons_value_at_seq_len_11():
     task = ModularArithmeticTask(seq_len=11)
-    for text, value in [("1 + 2 * 3", 2), ("1 - 1 - 1", 4), ("0 * 1 + 4 * 3 - 2", 0)]:
-        assert eval(text) % 5 == value  # noqa: S307
     inputs, targets = draw(task, n=500)
     for row in range(500):
         assert targets[row, -1] == eval(decode(task, inputs[row])) % 5  # noqa: S307

@@ -196,17 +196,33 @@ def test_debug_fast_preset_composes_with_every_task(task):
 
 
 def test_progress_bar_draws_step_loss_rate_and_eta():
+    import logging
+
     from rich.console import Console
 
     from rnnlab.progress import ProgressBar
 
     buffer = io.StringIO()
     bar = ProgressBar(100, enabled=True, console=Console(file=buffer, force_terminal=True, width=120))
-    bar.update(50, 0.1234, 12345.6)
-    bar.close()
-    bar.close()  # idempotent
+    assert buffer.getvalue() == ""  # nothing before the first step
+    original = sys.stdout
+    console = logging.StreamHandler(original)  # a console log handler, as Hydra's job logging makes one
+    console.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger().addHandler(console)
+    try:
+        bar.update(50, 0.1234, 12345.6)
+        assert sys.stdout is not original and console.stream is sys.stdout  # through the bar's proxy while it runs
+        logging.getLogger("rnnlab.test").warning("a log line")
+        bar.close()
+        assert sys.stdout is original and console.stream is original  # and given back after
+    finally:
+        logging.getLogger().removeHandler(console)
     drawn = buffer.getvalue()
-    assert "50/100" in drawn and "loss 0.1234" in drawn and "12,346 tokens/s" in drawn and "ETA" in drawn
+    bar.close()  # idempotent: draws nothing more
+    assert buffer.getvalue() == drawn
+    frames = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", drawn).split("\r")  # without colours and cursor moves
+    assert "\ra log line\n" in "\r".join(frames[:-1])  # the log line scrolled above the bar, drawn again below it
+    assert re.fullmatch(r"training +━+╺?━* +50/100 loss 0\.1234 12,346 tokens/s \S+ ETA \S+\n", frames[-1]), frames[-1]
 
 
 def test_a_sweep_prints_one_status_line_per_job_and_each_jobs_output_goes_to_its_train_log(tmp_path):
@@ -280,13 +296,32 @@ def test_job_output_to_sends_prints_fds_and_console_logging_to_the_log(tmp_path,
     assert (tmp_path / "train.log").read_text() == "printed\nnative stderr\n"
 
 
-def test_progress_bar_is_off_without_a_terminal():
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_is_off_without_a_terminal(monkeypatch):
+    import multiprocessing
+
+    from rich.console import Console
+
     from rnnlab.progress import ProgressBar, wants_bar
 
-    assert not wants_bar(io.StringIO())
-    bar = ProgressBar(10, enabled=False)
-    bar.update(5, 1.0, None)  # no-op
+    assert wants_bar(Terminal()) and not wants_bar(io.StringIO())
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert not wants_bar() and not ProgressBar(10).enabled  # enabled=None asks wants_bar about stdout
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert wants_bar() and ProgressBar(10).enabled
+    with monkeypatch.context() as patch:  # a worker process (joblib's, a population's) draws none
+        patch.setattr(multiprocessing, "parent_process", lambda: object())
+        assert not wants_bar(Terminal()) and not ProgressBar(10).enabled
+    buffer, stdout = io.StringIO(), sys.stdout
+    bar = ProgressBar(10, enabled=False, console=Console(file=buffer, force_terminal=True))
+    bar.phase("compiling")
+    bar.update(5, 1.0, None)
     bar.close()
+    assert buffer.getvalue() == "" and sys.stdout is stdout  # drew nothing, took no stream
 
 
 def test_summarize_marks_failed_and_missing_jobs_without_matplotlib(tmp_path, monkeypatch, capsys):
