@@ -10,7 +10,8 @@ checkpoints, a step that does not fit in memory, an eval length predicted past e
 another sweep holds); 3 training diverged
 (NaN/Inf); 74 the run dir or a sweep's dir cannot be written, at the start or mid-run (disk full, read-only:
 the last checkpoint is intact);
-75 preempted by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume);
+75 preempted by SIGTERM/SIGINT (or submitit's SIGUSR2: a SLURM time limit) after saving a checkpoint
+(rerun the same command to resume; under hydra/launcher=slurm submitit requeues the job);
 130 aborted by a second SIGINT. No failure leaves the process waiting on a stuck thread.
 """
 
@@ -38,7 +39,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rnnlab.board import override_key
-from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
+from rnnlab.checkpoint import CheckpointError, CheckpointSaveError, hand_off_stop
 from rnnlab.config import Config, ConfigError, from_omegaconf
 from rnnlab.exit_codes import ABORTED as EXIT_ABORTED  # the codes, defined once (rnnlab/exit_codes.py)
 from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
@@ -294,6 +295,7 @@ def main(cfg: DictConfig) -> float:
              f"(the traceback is in {log_file})", EXIT_BUG)
     if results["status"] == "preempted":
         logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", results["step"])
+        hand_off_stop()  # stopped by submitit's signal (hydra/launcher=slurm): now saved, submitit requeues the job
         sys.exit(EXIT_PREEMPTED)
     return results["eval_loss"]
 

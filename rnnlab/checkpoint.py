@@ -10,6 +10,7 @@ that the config travels with the weights and a resume can be checked against it)
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import signal
@@ -193,9 +194,34 @@ def _is_record(value: Any) -> bool:
             and isinstance(value.get("config_history"), list))
 
 
+def requeue_signal() -> signal.Signals:
+    """submitit's signal, which SLURM sends `signal_delay_s` before a job's time limit (and submitit on preemption):
+    SIGUSR2, or the one SUBMITIT_PREEMPT_SIGNAL names (submitit's own setting)."""
+    found = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2").upper(), None)
+    return found if isinstance(found, signal.Signals) else signal.SIGUSR2
+
+
+# The handler that was there before the guard of submitit's signal that stopped training: called once the run has
+# saved (`hand_off_stop`). One process trains one run at a time, and signal handlers are the process's.
+_handoff: list[tuple[int, Any]] = []
+
+
+def hand_off_stop() -> None:
+    """After a run stopped by submitit's signal has saved its checkpoint and results.json: the signal's handler from
+    before training, called now. Under hydra/launcher=slurm that is submitit's, which requeues the job and exits
+    (SystemExit); the rerun resumes from the step just saved. Nothing where there was none (a plain train.py, a
+    zoo job on SLURM: they end `preempted`, exit 75, as for SIGTERM)."""
+    while _handoff:
+        signum, handler = _handoff.pop()
+        handler(signum, None)
+
+
 class PreemptionGuard:
-    """Turns SIGTERM and a first SIGINT into a flag the training loop polls between steps, and an evaluation
-    between its lengths and between the chunks of a length run in segments (`steps.SegmentedEval`).
+    """Turns SIGTERM, a first SIGINT and submitit's signal (`requeue_signal`: SLURM's time limit is near) into a
+    flag the training loop polls between steps, and an evaluation between its lengths and between the chunks of a
+    length run in segments (`steps.SegmentedEval`): the run saves and ends `preempted`. Where submitit had its own
+    handler for its signal (hydra/launcher=slurm), that handler is called once the run has saved (`hand_off_stop`),
+    so a job past its time limit loses no steps before submitit requeues it.
 
     A second SIGINT raises KeyboardInterrupt at once (two that arrive before Python runs the handler count as one:
     CPython keeps one pending flag per signal). Outside the main thread signal handlers cannot be installed, and the
@@ -215,10 +241,13 @@ class PreemptionGuard:
         log.warning("%s received: finishing the steps (or the eval's chunk) in progress, saving a checkpoint, then "
                     "exiting", name)
         self.requested = name
+        previous = self._previous.get(signum)
+        if signum == requeue_signal() and callable(previous):
+            _handoff[:] = [(signum, previous)]
 
     def __enter__(self) -> "PreemptionGuard":
         if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
+            for s in dict.fromkeys((*self.SIGNALS, requeue_signal())):
                 self._previous[s] = signal.signal(s, self._handle)
         return self
 

@@ -405,6 +405,11 @@ def test_the_cli_refuses_bad_input_in_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["plan", "nosuch"])
     assert e.value.code == 2
+    assert cli.main(["run", "core", "--partition", "debug"]) == 2  # a SLURM flag without --executor slurm
+    assert "option '--partition' belongs to --executor slurm" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(["run", "core", "--executor", "slurm", "--gpus-per-node", "-1"])
+    assert e.value.code == 2 and "--gpus-per-node: got '-1'" in capsys.readouterr().err
 
 
 def test_the_core_suite_is_every_cell_on_four_tables_with_the_fixed_protocols():

@@ -3,12 +3,14 @@
     python -m rnnlab.zoo plan core                     # the jobs, what is recorded, the predicted time here
     python -m rnnlab.zoo run core --deadline 3h        # run what is left, at the suite's commit; resumable
     python -m rnnlab.zoo run core --executor population --parallel 1   # a GPU: each grid, then each seed set, as one program
+    python -m rnnlab.zoo run core --executor slurm --partition gpu --gpus-per-node 1   # each job a SLURM job
     python -m rnnlab.zoo collect                       # run dirs -> docs/zoo/records/<table>.jsonl
     python -m rnnlab.zoo page                          # docs/results.md and its plots, from the records alone
     python -m rnnlab.zoo run core --cell mycell -- imports=[mycells] hydra.searchpath=[file://conf_extra]
 
 Exit codes: 0 done, 1 a job ended without a final status, 2 bad input (a damaged records line too), 74 a folder
-it must write (--out, --docs) cannot be written, 75 stopped at the deadline or by a signal (run again), 130 Ctrl-C.
+it must write (--out, --docs) cannot be written, 75 stopped at the deadline or by a signal, or SLURM's squeue not
+answering (run again; SLURM jobs stay queued), 130 Ctrl-C.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from rnnlab import exit_codes
-from rnnlab.zoo import protocol, records, runner
+from rnnlab.zoo import protocol, records, runner, slurm
 from rnnlab.zoo.protocol import Table
 from rnnlab.zoo.runner import ZooError, ZooUnwritable
+from rnnlab.zoo.slurm import ProbeWaiting, QueueUnavailable
 
 DEFAULT_OUT = Path("zoo_runs")
 EXIT_BAD_INPUT, EXIT_CANNOT_WRITE, EXIT_ABORTED = exit_codes.BAD_INPUT, exit_codes.CANNOT_WRITE, exit_codes.ABORTED
@@ -44,14 +47,51 @@ def duration_seconds(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}, allowed: an integer >= 1")
-    return value
+def number_at_least(kind: type, low: float, strict: bool = False, allowed: str = ""):
+    """An argparse type: a `kind` (int or float) >= low (> low with `strict`); bad text exits 2 naming the option."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (strict and not value > low):
+            raise argparse.ArgumentTypeError(f"got {text!r}, allowed: {allowed}")
+        return value
+
+    return parse
+
+
+positive_int = number_at_least(int, 1, allowed="an integer >= 1")
+non_negative_int = number_at_least(int, 0, allowed="an integer >= 0")
+positive_float = number_at_least(float, 0.0, strict=True, allowed="a number above 0")
+
+
+SLURM_FLAGS = ("partition", "timeout_min", "cpus_per_task", "gpus_per_node", "mem_gb", "account", "qos")
+
+
+def slurm_resources(args: argparse.Namespace) -> "slurm.Resources | None":
+    """--executor slurm's SLURM request; None for the other executors (which refuse a SLURM flag)."""
+    given = {key: getattr(args, key) for key in SLURM_FLAGS}
+    if args.executor != "slurm":
+        flags = [f"--{k.replace('_', '-')}" for k, v in given.items() if v is not None]
+        if flags:
+            raise ZooError(f"option '{flags[0]}' belongs to --executor slurm (got --executor {args.executor})")
+        return None
+    return slurm.Resources(**{k: v for k, v in given.items() if v is not None})
+
+
+def machine(args: argparse.Namespace, resources: "slurm.Resources | None", deadline: float) -> tuple[str, str]:
+    """The kind of device and the machine the jobs run on: this one's, or with --executor slurm the nodes' (one
+    SLURM job asks, once per out dir and resources; `plan` does not submit it, and goes by this machine until then)."""
+    if resources is None:
+        return runner.this_machine()
+    found = slurm.machine(args.out, resources, deadline, ask=args.command == "run")
+    if found is None:
+        print("zoo: note: no SLURM job has said yet which device the jobs run on (the first `run` asks one); "
+              "the plan goes by this machine's", file=sys.stderr)
+        return runner.this_machine()
+    return found
 
 
 def commit_text(text: str) -> str:
@@ -81,9 +121,20 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
         s.add_argument("--commit", type=commit_text, help="the commit to run (default: the suite's recorded commit, else HEAD)")
         s.add_argument("--parallel", type=positive_int, help="units side by side (default: one per core on a CPU "
                        "with the processes executor, else 1)")
-        s.add_argument("--executor", choices=("processes", "population"), default="processes")
+        s.add_argument("--executor", choices=("processes", "population", "slurm"), default="processes",
+                       help="processes (default), population, or slurm: each job a SLURM job through submitit "
+                       "(--parallel: jobs in the queue at once, default all that are ready)")
         s.add_argument("--cell", action="append", default=[], help="only this cell's settings; a cell the protocol "
                        "does not list joins every table with its default setting (repeat the flag for more)")
+        cluster = s.add_argument_group("SLURM (--executor slurm; named as hydra's submitit launcher names them)")
+        cluster.add_argument("--partition", help="the partition (default: the cluster's)")
+        cluster.add_argument("--timeout-min", type=positive_int, help="each job's time limit in minutes (60); a job "
+                             "that reaches it saves, is requeued and resumes")
+        cluster.add_argument("--cpus-per-task", type=positive_int)
+        cluster.add_argument("--gpus-per-node", type=non_negative_int)
+        cluster.add_argument("--mem-gb", type=positive_float)
+        cluster.add_argument("--account")
+        cluster.add_argument("--qos")
 
     plan = sub.add_parser("plan", help="the jobs, what is recorded, the predicted wall time on this machine",
                           epilog=EPILOG_OVERRIDES)
@@ -94,7 +145,8 @@ def parser(tables: Mapping[str, Table], suites: Mapping[str, Sequence[str]]) -> 
                          epilog=EPILOG_OVERRIDES)
     common(run)
     running(run)
-    run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h); a job starts only if the records predict it ends by then")
+    run.add_argument("--deadline", type=duration_seconds, help="stop after this long (600, 45m, 3h); a job starts only if the records predict it ends by then "
+                     "(--executor slurm: submitting stops there, and the queue is left as it is)")
     run.add_argument("--grace", type=duration_seconds, default=60.0, help="seconds between SIGTERM and SIGKILL (60)")
     collect = sub.add_parser("collect", help="run dirs -> docs/zoo/records/<table>.jsonl")
     common(collect, suite=False)
@@ -175,25 +227,32 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
             raise ZooError(f"--executor population: {', '.join(alone)} trains on text streams, which the population "
                            f"launcher does not carry; allowed: --executor processes for it")
         root = runner.repo_root()
-        kind, name = runner.this_machine()
-        commit = pinned_commit(root, args.docs, chosen, kind, args.commit)
+        resources = slurm_resources(args)
         with contextlib.ExitStack() as held:
             if args.command == "run":
                 held.enter_context(runner.RunnerLock(args.out))  # before the worktree: one runner makes it
+            deadline = time.time() + args.deadline if getattr(args, "deadline", None) else float("inf")
+            kind, name = machine(args, resources, deadline)
+            commit = pinned_commit(root, args.docs, chosen, kind, args.commit)
             code = runner.worktree(root, commit, args.out)
             runner.check_configs(code, chosen, args.overrides)
             ledger = runner.Ledger(chosen, args.out, args.docs, commit, kind, name)
             cpu = kind.startswith("CPU")
-            parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
+            if args.executor == "slurm":  # the cluster decides how many run at once
+                parallel = args.parallel or sum(len(t.settings) * t.jobs_per_setting() for t in chosen)
+            else:
+                parallel = args.parallel or ((os.cpu_count() or 1) if cpu and args.executor == "processes" else 1)
             if args.command == "plan":
                 if args.probe:
                     probe(code, chosen, args.out, ledger, args.overrides)
                 runner.print_plan(ledger, chosen, parallel)
                 return exit_codes.OK
             warn_if_dirty(root, commit)
-            executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
-            executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")
-            deadline = time.time() + args.deadline if args.deadline else float("inf")
+            if args.executor == "slurm":
+                executor = slurm.SlurmExecutor(code, args.out, args.overrides, resources)
+            else:
+                executor_class = runner.PopulationExecutor if args.executor == "population" else runner.Executor
+                executor = executor_class(code, args.out, args.overrides, pin=cpu and args.executor == "processes")
 
             def ours(record: dict) -> bool:
                 return records.commit_of(record) == commit and records.kind_of(record) == kind
@@ -217,6 +276,13 @@ def main(argv: Sequence[str] | None = None, tables: Mapping[str, Table] | None =
     except ZooError as e:
         print(f"zoo: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ProbeWaiting as e:
+        print(f"zoo: deadline: SLURM job {e} that asks which device the jobs run on is still queued; nothing else "
+              "was submitted: run again", file=sys.stderr)
+        return exit_codes.PREEMPTED
+    except QueueUnavailable as e:
+        print(f"zoo: {e}", file=sys.stderr)
+        return exit_codes.PREEMPTED
     except records.RecordsError as e:
         print(f"zoo: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

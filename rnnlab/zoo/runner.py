@@ -5,12 +5,13 @@ records (docs/zoo/records) hold a final record (`records.FINAL`) made at the pin
 so a suite spread over sessions and machines goes on from what was committed. Each setting trains its lr grid on
 seed 0 first; once the grid is done the protocol's rule (`protocol.edge_choice`: the best lr, and the next lr out
 while the best is an end of those tried) picks the lr, and the setting's other seeds go to the front of the queue. The code runs from a git worktree of the pinned commit (`<out>/worktrees/`),
-never from the checkout being edited. Two executors: `processes` (one train.py per job, `--parallel` side by side:
-one per core, or several sharing a GPU) and `population` (hydra/launcher=population: a setting's grid as one
-program, then its seeds as one program). Before `--deadline` a job starts only if the records predict that it ends
-in time (a job stopped there resumes on this machine alone, and the next session may run on another); at the
-deadline, or on SIGTERM or Ctrl-C to the runner, nothing new starts and running jobs get SIGTERM (they save and
-end `preempted`; the next `run` resumes them), then SIGKILL after `--grace` seconds.
+never from the checkout being edited. Three executors: `processes` (one train.py per job, `--parallel` side by side:
+one per core, or several sharing a GPU), `population` (hydra/launcher=population: a setting's grid as one
+program, then its seeds as one program) and `slurm` (`rnnlab.zoo.slurm`: each job a SLURM job). Before `--deadline`
+a job starts only if the records predict that it ends in time (a job stopped there resumes on this machine alone,
+and the next session may run on another); at the deadline, or on SIGTERM or Ctrl-C to the runner, nothing new
+starts and running jobs get SIGTERM (they save and end `preempted`; the next `run` resumes them), then SIGKILL
+after `--grace` seconds. SLURM jobs are left in the queue instead: the next `run` waits for them.
 """
 
 from __future__ import annotations
@@ -414,13 +415,28 @@ def print_plan(ledger: Ledger, tables: Sequence[Table], parallel: int, say: Call
 
 @dataclasses.dataclass
 class Unit:
-    """What one executor call runs: one job (processes) or a setting's jobs as one program (population)."""
+    """What one executor call runs: one job (processes, slurm) or a setting's jobs as one program (population). The
+    run loop asks it whether it has ended and with what exit code; a SLURM job's unit answers from the queue
+    (`rnnlab.zoo.slurm.SlurmUnit`)."""
 
     jobs: list[Job]
     proc: subprocess.Popen | None = None
     started: float = 0.0
     log: Any = None
     log_path: Path | None = None
+
+    def ended(self) -> bool:
+        """Whether what runs the unit has ended (polled by the run loop about once a second)."""
+        return self.proc is not None and self.proc.poll() is not None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
 
 def job_env(code: Path) -> dict[str, str]:
@@ -431,7 +447,11 @@ def job_env(code: Path) -> dict[str, str]:
 
 
 class Executor:
-    """Starts a unit's train.py in the pinned worktree."""
+    """Starts a unit's train.py in the pinned worktree, as a process of this machine. The run loop (`run`) asks an
+    executor five things, which `rnnlab.zoo.slurm.SlurmExecutor` answers for jobs in a SLURM queue: the units of
+    some jobs, whether a job is trained elsewhere (`busy`), which units to start before the deadline (`in_time`),
+    how to start one (`start`), and what to do with the running units when the run stops (`stop`) or fails
+    (`abandon`)."""
 
     name = "processes"
 
@@ -440,6 +460,38 @@ class Executor:
 
     def units(self, jobs: Sequence[Job]) -> list[Unit]:
         return [Unit([job]) for job in jobs]
+
+    def busy(self, ledger: Ledger, job: Job) -> str | None:
+        """Who trains the job outside this runner (to wait on, never to start twice), else None."""
+        return ledger.busy(job)
+
+    def in_time(self, ledger: Ledger, tables: Sequence[Table], units: Sequence[Unit], seconds_left: float
+                ) -> tuple[list[Unit], list[Unit]]:
+        """(the units to start now, those that would not end before the deadline): a unit still running at the
+        deadline is stopped there, so one predicted to end after it does not start."""
+        return split_by_deadline(ledger, tables, units, seconds_left)
+
+    def stop(self, running: list[Unit], why: str, grace: float, finish: Callable[[Unit], None],
+             say: Callable[[str], None]) -> None:
+        """The run stops (deadline, SIGTERM, Ctrl-C): SIGTERM to each running job (it saves and ends `preempted`;
+        the next run resumes it), SIGKILL after `grace` seconds; each unit `finish`ed as it ends."""
+        say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
+            "at the next run)")
+        _terminate(running)
+        until = time.time() + grace
+        while running and time.time() < until:
+            for unit in [u for u in running if u.ended()]:
+                finish(unit)
+            time.sleep(0.5)
+        for unit in list(running):
+            with _suppress():
+                os.killpg(unit.proc.pid, signal.SIGKILL)
+            unit.proc.wait()
+            finish(unit)
+
+    def abandon(self, running: Sequence[Unit]) -> None:
+        """The runner fails: it leaves no job running unseen (each saves; the next run resumes it)."""
+        _terminate(running)
 
     def command(self, unit: Unit) -> tuple[list[str], Path]:
         job = unit.jobs[0]
@@ -518,8 +570,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     def finish(unit: Unit) -> None:
         nonlocal failed, incomplete
         running.remove(unit)
-        if unit.log is not None:
-            unit.log.close()
+        unit.close()
         done = []
         for job in unit.jobs:
             record = ledger.record(job)
@@ -553,7 +604,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
     try:
         status()
         while True:
-            for unit in [u for u in running if u.proc.poll() is not None]:
+            for unit in [u for u in running if u.ended()]:
                 finish(unit)
             for name in [n for n in waiting if not lock_holder(ledger.out / n / ".rnnlab.lock.0")]:
                 adopt(name)
@@ -562,7 +613,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
                 break
             plan = make_plan(ledger, tables, attempted | set(waiting))
             for job in plan.todo_now:
-                holder = ledger.busy(job)
+                holder = executor.busy(ledger, job)
                 if holder:
                     waiting[job.name] = holder
                     say(f"{job.name}: still trained by {holder} (started by an earlier runner); waiting for it to end")
@@ -571,7 +622,7 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
                 break
             free = max(parallel - len(running), 0)
             if free and todo:
-                in_time, late = split_by_deadline(ledger, tables, executor.units(todo), deadline - time.time())
+                in_time, late = executor.in_time(ledger, tables, executor.units(todo), deadline - time.time())
                 for unit in in_time[:free]:
                     executor.start(unit)
                     running.append(unit)
@@ -585,22 +636,9 @@ def run(ledger: Ledger, tables: Sequence[Table], executor: Executor, parallel: i
         if stopped and waiting:
             say(f"{len(waiting)} jobs of an earlier runner are still training; the next run records them")
         if stopped and running:
-            why = signal.Signals(signalled[0]).name if signalled else "deadline"
-            say(f"{why}: stopping {sum(len(u.jobs) for u in running)} running jobs (SIGTERM: they save and resume "
-                "at the next run)")
-            _terminate(running)
-            until = time.time() + grace
-            while running and time.time() < until:
-                for unit in [u for u in running if u.proc.poll() is not None]:
-                    finish(unit)
-                time.sleep(0.5)
-            for unit in list(running):
-                with _suppress():
-                    os.killpg(unit.proc.pid, signal.SIGKILL)
-                unit.proc.wait()
-                finish(unit)
+            executor.stop(running, signal.Signals(signalled[0]).name if signalled else "deadline", grace, finish, say)
     except BaseException:  # a runner that fails leaves no job running unseen: each saves, the next run resumes it
-        _terminate(running)
+        executor.abandon(running)
         raise
     finally:
         _restore_signals(previous)
@@ -625,7 +663,7 @@ def ended_without_record(ledger: Ledger, job: Job, unit: Unit) -> str:
     saved, or failed to start (with its output's last line)."""
     run_dir = job.run_dir(ledger.out)
     results = records.results_of(run_dir)
-    code = unit.proc.returncode if unit.proc is not None else None
+    code = unit.returncode
     step = results.get("step")
     if results.get("status") == "preempted" and isinstance(step, int) and step > 0:
         return f"stopped at step {step} (exit {code}); the next run resumes it"
