@@ -224,12 +224,6 @@ def seed0_jobs(choice: Choice, table: Table, setting: Setting) -> list[Job]:
     return [Job(table, setting, lr, 0) for lr in choice.lrs]
 
 
-def chosen_lr(ledger: Ledger, table: Table, setting: Setting) -> tuple[bool, float | None]:
-    """(whether seed 0's lrs are done under the edge rule, the lr the protocol chooses from them)."""
-    choice = choice_of(ledger, table, setting)
-    return choice.final, choice.lr
-
-
 def seed_jobs(table: Table, setting: Setting, lr: float) -> list[Job]:
     return [Job(table, setting, lr, seed) for seed in range(1, table.seeds)]
 
