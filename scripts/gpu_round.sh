@@ -24,6 +24,6 @@ timeout 45 python3 scripts/bench_scans.py --cells attention --seq-lens $A --repe
   --set model.window=256 --json "$OUT/attn_window.json" 2>&1 | tail -3
 
 log "3. the forms' equality tests on the GPU (its default float32 matmul precision)"
-timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/test_mlstm.py tests/test_rwkv7.py tests/test_matrix_forms.py \
+timeout 50 python3 -m pytest -q -x -p no:cacheprovider tests/cells/test_mlstm.py tests/cells/test_rwkv7.py tests/cells/test_matrix_forms.py \
   2>&1 | tail -15 | tee "$OUT/pytest.log"
 log done

@@ -44,7 +44,7 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
 # No test fetches a corpus (data=text): the tests read tests/data/text_fixture (data.corpus=file), and a corpus
 # not prepared is refused at once (rnnlab.corpora.OFFLINE_ENV).
 os.environ["RNNLAB_OFFLINE"] = "1"
-# data=text on the fixture corpus, tiny (tests/test_text_training.py, tests/test_token_inputs.py)
+# data=text on the fixture corpus, tiny (tests/test_text_training.py, tests/tasks/test_token_inputs.py)
 TEXT_FIXTURE_DATA = ["data=text", "data.corpus=file", f"data.corpus_dir={ROOT / 'tests' / 'data' / 'text_fixture'}",
                      "data.valid_docs=[the_ferryman]", "data.test_docs=[a_winter_road]"]
 

@@ -1,4 +1,4 @@
-"""A real single-node SLURM on this host for the tests (tests/test_slurm.py): munged, slurmctld and slurmd started
+"""A real single-node SLURM on this host for the tests (tests/zoo/test_slurm.py): munged, slurmctld and slurmd started
 from config files in a temporary directory, stopped by pid afterwards. It installs nothing: where slurm-wlm or munge
 is missing the fixture fails with one line saying `apt-get install slurm-wlm munge` (.ci/run installs them); a
 test skipped in CI tests nothing.

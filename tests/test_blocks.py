@@ -58,7 +58,7 @@ def test_each_mlp_matches_numpy(kind, expand, bias):
 @pytest.mark.parametrize("mlp", ["none", "gelu", "swiglu"])
 def test_residual_block_matches_numpy(mlp):
     """One attention layer in a residual block: x + attn(norm(x)), then x + MLP(norm(x)) unless none."""
-    from test_attention_mamba import numpy_attention
+    from cells.test_attention_mamba import numpy_attention
 
     H = 8
     config = compose_config(["model=attention", f"hidden_dim={H}", "num_layers=1", "model.num_heads=2",

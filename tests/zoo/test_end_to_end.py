@@ -17,7 +17,7 @@ from rnnlab.zoo import records, runner
 from rnnlab.zoo.protocol import Setting, Table
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # The edge rule's bound is the grid itself here: which lr wins after 60 steps is not this test's business (the rule's
 # own tests use a stand-in train.py), so every run is the same 3 jobs.
 TABLE = Table("tiny", "Tiny parity", "zoo_parity", (), (Setting("rnn"),), (1e-3, 3e-3), 2, 60, "accuracy", True, 8,
@@ -27,7 +27,7 @@ EXTRA = ["hidden_dim=8", "batch_size=8", "eval_batches=1", "checkpoint.every=20"
 SCRIPT = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_zoo_end_to_end import TABLE
+from test_end_to_end import TABLE
 from rnnlab.zoo import cli
 raise SystemExit(cli.main(sys.argv[1:], tables={{"tiny": TABLE}}, suites={{"t": ("tiny",)}}))
 """

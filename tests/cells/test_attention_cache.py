@@ -1,4 +1,4 @@
-"""Attention as an RNN, beyond tests/test_state.py: with a sliding window the cache is a ring buffer of
+"""Attention as an RNN, beyond tests/cells/test_carried_state.py: with a sliding window the cache is a ring buffer of
 exactly w slots (segments longer and shorter than the window), and a cache much longer than the sequence
 is read in many blocks (empty slots masked, a last block not whole)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from conftest import compose_config, fast_first
 from rnnlab.models import build_model, initial_state
-from test_state import run_segments
+from test_carried_state import run_segments
 
 B, H = 2, 8
 

@@ -17,7 +17,7 @@ from conftest import compose_config
 from rnnlab import models, onednn
 from rnnlab.config import ConfigError
 from rnnlab.models import RecurrentLayer, build_model
-from test_cells import init, numpy_lstm, random_like
+from test_lstm_gru import init, numpy_lstm, random_like
 
 
 def require_kernel():

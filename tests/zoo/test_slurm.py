@@ -43,7 +43,7 @@ def env(cluster):
 
 # --- the zoo ------------------------------------------------------------------------------------------------------
 
-# The tiny table of tests/test_zoo_end_to_end.py: one cell, 2 lrs, 2 seeds, 60 steps (3 jobs: the grid on seed 0,
+# The tiny table of tests/zoo/test_end_to_end.py: one cell, 2 lrs, 2 seeds, 60 steps (3 jobs: the grid on seed 0,
 # then seed 1 at the chosen lr). One device per job, so that a job pinned to a core (processes) and one that is not
 # (SLURM) compute alike.
 EXTRA = ["hidden_dim=8", "batch_size=8", "eval_batches=1", "checkpoint.every=20", "log_every=20", "eval_every=60",
@@ -51,7 +51,7 @@ EXTRA = ["hidden_dim=8", "batch_size=8", "eval_batches=1", "checkpoint.every=20"
 SCRIPT = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_zoo_end_to_end import TABLE
+from test_end_to_end import TABLE
 from rnnlab.zoo import cli
 raise SystemExit(cli.main(sys.argv[1:], tables={{"tiny": TABLE}}, suites={{"t": ("tiny",)}}))
 """

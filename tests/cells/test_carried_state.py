@@ -23,7 +23,7 @@ CUTS = (1, 7, 7, 1, 7)
 
 # The fast tier: one cell of each kind of state, in its yaml's own form (a carry; a linear recurrence's h; an SSM's
 # state and conv tail; a matrix state; mLSTM's (C, n, m); RWKV-7's state and token shift). Attention's cache:
-# tests/test_attention_cache.py.
+# tests/cells/test_attention_cache.py.
 FAST = ("lstm", "lru", "mamba", "deltanet", "mlstm", "rwkv7")
 
 
@@ -106,7 +106,7 @@ AUTO_IS = {"deltanet": "sequential", "gated_deltanet": "sequential", "deltaprodu
 def test_the_auto_cases_left_out_are_their_forms_cases():
     """`AUTO_IS`'s cells run one form for `auto` at every length of `check_segments`, with a state and without: their
     `-auto` cases would repeat that form's, so `cell_forms` leaves them out. The layer builds the program of the form
-    `auto` resolves to (tests/test_auto_form.py, without a state); here, one segment with a state carried."""
+    `auto` resolves to (tests/cells/test_auto_form.py, without a state); here, one segment with a state carried."""
     ids = {case.id for case in cell_forms()}
     yamls = {model: compose_config([f"model={model}"]).model for model in group_options("model")}
     left_out = {model for model, m in yamls.items() if m.time_scan == "auto" and f"{model}-auto" not in ids}

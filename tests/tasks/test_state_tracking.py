@@ -20,7 +20,7 @@ from rnnlab.models import build_model
 from rnnlab.tasks import IGNORE
 from rnnlab.tasks.modular_arithmetic import ModularArithmeticTask, memoryless_entropy
 from rnnlab.tasks.word_problem import WordProblemTask, multiplication_table
-from test_new_tasks import conditional_entropy
+from test_selective_copy_mqar_parity import conditional_entropy
 
 SETTINGS = dict(max_examples=25, deadline=None, derandomize=True, database=None)
 N = 4000  # examples per statistic

@@ -1,7 +1,7 @@
 """The zoo's runner, records and page (rnnlab.zoo) against a stand-in train.py that writes results.json at once:
 the protocol's order (seed 0's grid, then the other seeds at the lr the rule chose), resuming after a deadline, the
 records, and a page that the same records regenerate byte for byte. The real train.py runs in
-tests/test_zoo_end_to_end.py (full tier)."""
+tests/zoo/test_end_to_end.py (full tier)."""
 
 import dataclasses
 import json
@@ -430,7 +430,7 @@ def test_the_core_suite_is_every_cell_on_four_tables_with_the_fixed_protocols():
 
 
 def test_every_table_s_job_composes_with_the_preset_it_names():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import train
 
     for table in protocol.TABLES.values():
@@ -440,7 +440,7 @@ def test_every_table_s_job_composes_with_the_preset_it_names():
 
 
 def test_the_committed_page_is_what_the_records_generate():
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = Path(__file__).resolve().parents[2] / "docs"
     assert (docs / "results.md").read_text() == page.build(docs, protocol.TABLES)[0], \
         "docs/results.md is generated: run `python -m rnnlab.zoo page`"
 

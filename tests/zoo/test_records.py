@@ -2,7 +2,7 @@
 while no runner is there is recorded by the next `run`; a job an earlier runner left training is waited on, never
 started twice; two writers lose nothing; a second runner on one out dir, a damaged records line, a missing docs dir
 and bad cells or overrides are refused in one line (exit 2), unwritable folders exit 74. Against a stand-in
-train.py that takes its run dir's lock as train.py does; the real train.py: tests/test_zoo_end_to_end.py."""
+train.py that takes its run dir's lock as train.py does; the real train.py: tests/zoo/test_end_to_end.py."""
 
 import json
 import os
@@ -16,7 +16,7 @@ import pytest
 from rnnlab.zoo import cli, records, runner
 from rnnlab.zoo.protocol import Setting, Table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 KIND, MACHINE = "CPU", "CPU (Stand-in, 2 cores)"
 
@@ -151,7 +151,7 @@ def test_concurrent_merges_lose_nothing(tmp_path):
     script = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
-from test_zoo_records import tiny_table
+from test_records import tiny_table
 from rnnlab.zoo import records
 table, who = tiny_table(), int(sys.argv[1])
 for seed in range(60):
