@@ -1,10 +1,9 @@
 """Shared fixtures and the two tiers. Four simulated CPU devices, set before JAX starts, so that
 tests can pmap over 1, 2 or 4 devices in this process; runs that need a fresh JAX use subprocesses.
 
-`pytest` runs the fast tier; tests marked `slow` (end-to-end subprocess runs, and equivalences
-a faster test of the same module already states at a smaller scale) run with `pytest --full`,
-or alone with `pytest -m slow`. Compiled programs persist across test sessions in JAX's
-compilation cache under `.pytest_cache/` (never the user's cache): a rerun skips XLA's work.
+`pytest` runs the fast tier; tests marked `slow("<reason>")`, each for one reason of `SLOW_BECAUSE`
+below, run with `pytest --full`, or alone with `pytest -m slow`. Compiled programs persist across test
+sessions in JAX's compilation cache under `.pytest_cache/` (never the user's cache): a rerun skips XLA's work.
 """
 
 import contextlib
@@ -77,24 +76,52 @@ def pytest_addoption(parser):
     parser.addoption("--full", action="store_true", help="run the full suite: the fast tier and the tests marked slow")
 
 
-FULL_TIER = ROOT / "tests" / "full_tier.txt"  # fast-tier tests moved to the full tier by their measured time
+# Why a test runs in the full tier only: `@pytest.mark.slow("<reason>")` on a test (`pytestmark = ...` on a module,
+# `pytest.param(..., marks=pytest.mark.slow("<reason>"))` on one case, `fast_first(..., why="<reason>")` on the cases
+# after the first) names one of these; collection refuses a `slow` mark without one. The fast tier must finish within
+# 5 minutes on 2 cores: a test that took 6.5 s or more there (`pytest --durations`, 2-core VM, 2026-12-01) moved here,
+# as `long`, or as `cross-product` where a case of its grid stays in the fast tier.
+SLOW_BECAUSE = {
+    "end-to-end": "runs train.py, a script, the zoo or pytest itself whole, as a user does, most in fresh processes "
+                  "that each start JAX and compile anew.",
+    "cross-product": "is another case of a grid (cells x forms x options) whose shared code the test's first case, "
+                     "or a fast test beside it, already runs.",
+    "long": "trains, evaluates or compiles more than the fast tier has time for (whole runs in this process, several "
+            "forms' gradients, long sequences, many steps or draws).",
+    "extra": "needs what CI installs for the full tier only: torch, xlstm, mlstm-kernels or flash-linear-attention "
+             "(an independent implementation to check against), or oneDNN's library.",
+    "cluster": "starts processes that work together: JAX processes over loopback, or a SLURM of its own (as root).",
+}
 
 
-def full_tier_ids() -> set[str]:
-    return {line.split("#")[0].strip() for line in FULL_TIER.read_text().splitlines()} - {""}
+def slow_mark_problem(item) -> str | None:
+    """Why `item`'s `slow` marks are refused (the one line collection fails with), or None: each names one reason."""
+    for mark in item.iter_markers("slow"):
+        if len(mark.args) != 1 or mark.kwargs or mark.args[0] not in SLOW_BECAUSE:
+            given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
+            return (f"{item.nodeid}: slow({given}) needs one reason, slow(\"<reason>\"), of tests/conftest.py's "
+                    f"SLOW_BECAUSE: {', '.join(SLOW_BECAUSE)}")
+    return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """In a pytest-xdist worker (`pytest`'s -n auto) a UsageError raised at collection ends the run with an internal
+    error that drops its message: there, a refused `slow` mark fails its module's collection, message shown."""
+    report = yield
+    if hasattr(collector.config, "workerinput") and report.passed:
+        problems = [p for node in report.result if isinstance(node, pytest.Item) and (p := slow_mark_problem(node))]
+        if problems:
+            report.outcome, report.longrepr, report.result = "failed", "\n".join(problems), []
+    return report
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests of tests/full_tier.txt are marked slow; without --full or a -m expression of one's own, the slow
-    tests are deselected (not skipped)."""
-    moved = full_tier_ids()
-    for item in items:
-        if item.nodeid in moved:
-            item.add_marker(pytest.mark.slow)
-    if not config.args and len(items) > 1000:  # the whole suite: every line of full_tier.txt names one of its tests
-        stale = moved - {item.nodeid for item in items}
-        if stale:
-            raise pytest.UsageError(f"{FULL_TIER.name} names tests that do not exist: {', '.join(sorted(stale))}")
+    """Every `slow` mark names one reason of SLOW_BECAUSE (else a UsageError); without --full or a -m expression of
+    one's own, the slow tests are deselected (not skipped)."""
+    problem = next(filter(None, map(slow_mark_problem, items)), None)
+    if problem:
+        raise pytest.UsageError(problem)
     if config.getoption("--full") or config.getoption("markexpr"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
@@ -127,10 +154,12 @@ def require(module: str):
     return pytest.importorskip(module)
 
 
-def fast_first(values, keep=1):
-    """Parametrize values of which the first `keep` run in the fast tier, the rest in the full tier only.
+def fast_first(values, keep=1, *, why, first_why=None):
+    """Parametrize values of which the first `keep` run in the fast tier, the rest in the full tier only, for the
+    reason `why` (a key of SLOW_BECAUSE). `first_why`: the first `keep` run in the full tier too, for that reason.
     A tuple holds the values of several argument names (one argument taking a tuple: wrap it, `(t,)`)."""
-    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=() if i < keep else pytest.mark.slow)
+    first = () if first_why is None else pytest.mark.slow(first_why)
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=first if i < keep else pytest.mark.slow(why))
             for i, v in enumerate(values)]
 
 

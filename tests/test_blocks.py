@@ -55,7 +55,8 @@ def test_each_mlp_matches_numpy(kind, expand, bias):
     np.testing.assert_allclose(mlp.apply({"params": params}, x), numpy_mlp(kind, x, f64(params)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("mlp", ["none", "gelu", "swiglu"])
+@pytest.mark.parametrize("mlp", ["none", *(pytest.param(mlp, marks=pytest.mark.slow("cross-product"))
+                                          for mlp in ("gelu", "swiglu"))])
 def test_residual_block_matches_numpy(mlp):
     """One attention layer in a residual block: x + attn(norm(x)), then x + MLP(norm(x)) unless none."""
     from cells.test_attention_mamba import numpy_attention

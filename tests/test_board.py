@@ -106,6 +106,7 @@ def test_copy_examples_table_names_symbols_and_scores_the_recalled_steps():
     assert table[2].endswith(f"{(symbols[7:] == 0).sum() + 7}/10 |")
 
 
+@pytest.mark.slow("long")
 def test_a_copy_run_shows_eval_examples_as_text(tmp_path):
     train_and_evaluate(tiny_config("data=copy", "data.seq_len=11"), tmp_path)
     events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()

@@ -8,7 +8,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import ROOT, TINY, run_train
 from rnnlab import cpu
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("end-to-end")
 TINY_CLI = [o for o in TINY if not o.startswith("device")]
 
 

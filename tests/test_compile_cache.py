@@ -18,6 +18,7 @@ def _results(workdir):
     return json.loads((workdir / "results.json").read_text())
 
 
+@pytest.mark.slow("end-to-end")
 def test_two_runs_of_one_cell_with_other_lr_and_seed_compile_the_train_step_once(tmp_path):
     cache = tmp_path / "cache"
     env = {"JAX_COMPILATION_CACHE_DIR": str(cache), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -33,6 +34,7 @@ def test_two_runs_of_one_cell_with_other_lr_and_seed_compile_the_train_step_once
     assert "(cache hit)" in (tmp_path / "second" / "train.log").read_text()
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_run_with_the_cache_off_says_so(tmp_path):
     proc = run_train([*TINY, "device.compile_cache=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert proc.returncode == 0, proc.stderr
@@ -73,6 +75,7 @@ def test_a_cache_in_use_by_a_live_process_or_another_host_stays(tmp_path, marker
     assert cache.exists() and (markers / name).exists()
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_run_moves_a_crashed_cache_aside_and_completes(tmp_path):
     """End to end, with the guard on (the suite turns it off for its own cache): a marker left by a process that died
     compiling makes the next run move the cache aside, say where in one line, and train as usual."""

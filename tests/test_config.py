@@ -110,7 +110,10 @@ def traced_model(model_config, task):
     return str(jax.make_jaxpr(lambda p, x: model.apply(p, x)[0].sum())(params, x))
 
 
-def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backward():
+# In the fast tier: a cell whose every form has a hand-written backward (lstm) and one with it in one form only (gla).
+@pytest.mark.parametrize("name", ["lstm", "gla", *(pytest.param(n, marks=pytest.mark.slow("cross-product"))
+                                                   for n in GROUPS["model"] if n not in ("lstm", "gla"))])
+def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backward(name):
     """model.recurrence=custom_vjp for a cell's form (model.time_scan) is accepted iff it changes the layer's program
     from autodiff's (a hand-written backward runs); where it would run autodiff without a word (rwkv7, attention,
     gla's chunked form, ...) it is refused naming model.recurrence. The rule comes from each cell's declaration in
@@ -118,25 +121,24 @@ def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backwar
     import dataclasses
 
     mismatched = []
-    for name in GROUPS["model"]:
-        base = compose_config([f"model={name}", "hidden_dim=8", "num_layers=1"])
-        task = tasks.make_task(base.data)
-        time_scans = base.model.make_cell().time_scans
-        runs_backward = {f: traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="autodiff",
-                                                             remat=False), task)
-                         != traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="custom_vjp",
-                                                             remat=False), task) for f in time_scans}
-        for form in (*time_scans, "auto"):  # auto may run any form
-            changes = all(runs_backward.values()) if form == "auto" else runs_backward[form]
-            try:
-                cfg.replace(base, **{"model.time_scan": form, "model.recurrence": "custom_vjp", "model.remat": False})
-                accepted = True
-            except cfg.ConfigError as e:
-                assert str(e).startswith("key 'model.recurrence': got 'custom_vjp', but cell ") and "\n" not in str(e)
-                accepted = False
-            if accepted != changes:
-                mismatched.append(f"{name} time_scan={form}: custom_vjp {'accepted' if accepted else 'refused'}, "
-                                  f"but it {'changes' if changes else 'does not change'} the program")
+    base = compose_config([f"model={name}", "hidden_dim=8", "num_layers=1"])
+    task = tasks.make_task(base.data)
+    time_scans = base.model.make_cell().time_scans
+    runs_backward = {f: traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="autodiff",
+                                                         remat=False), task)
+                     != traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="custom_vjp",
+                                                         remat=False), task) for f in time_scans}
+    for form in (*time_scans, "auto"):  # auto may run any form
+        changes = all(runs_backward.values()) if form == "auto" else runs_backward[form]
+        try:
+            cfg.replace(base, **{"model.time_scan": form, "model.recurrence": "custom_vjp", "model.remat": False})
+            accepted = True
+        except cfg.ConfigError as e:
+            assert str(e).startswith("key 'model.recurrence': got 'custom_vjp', but cell ") and "\n" not in str(e)
+            accepted = False
+        if accepted != changes:
+            mismatched.append(f"{name} time_scan={form}: custom_vjp {'accepted' if accepted else 'refused'}, "
+                              f"but it {'changes' if changes else 'does not change'} the program")
     assert not mismatched, "\n".join(mismatched)
 
 

@@ -76,6 +76,7 @@ sys.stdin.read()  # hold the core until the test closes stdin
 """
 
 
+@pytest.mark.slow("end-to-end")
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs Linux and two cores")
 def test_pinned_processes_take_a_core_each_and_release_it_when_they_die(tmp_path):

@@ -14,7 +14,7 @@ VOCAB = 7
 
 @pytest.mark.parametrize("overrides", fast_first([(tuple(o.split()),) for o in (
     "model=gru", "model=mamba", "model=attention", "model=rwkv7", "model=gated_deltanet", "model=mlstm", "model=slstm",
-    "model=attention model.window=5", "model=lru")]))
+    "model=attention model.window=5", "model=lru")], why="cross-product"))
 def test_decoded_tokens_are_the_training_forms_greedy_tokens(overrides):
     config = compose_config(["hidden_dim=16", "num_layers=2", *overrides])
     model = build_model(config.model, output_dim=VOCAB, input_dim=VOCAB)

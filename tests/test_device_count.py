@@ -93,7 +93,7 @@ def test_a_damaged_or_unwritable_cache_is_measured_again_and_replaced(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_a_resumed_run_keeps_the_device_count_its_run_dir_recorded(tmp_path, caplog, monkeypatch):
     if cpu.max_cpu_devices() < 2:
         pytest.skip("one core: device.num_devices=null has nothing to choose")

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, TINY, require, run_train, saved_state, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("cluster")
 
 STEPS = 20
 RUN = [o for o in TINY if not o.startswith(("device", "steps", "checkpoint"))] + [

@@ -62,7 +62,8 @@ def test_without_eval_lengths_eval_by_len_is_empty(tmp_path):
     assert results["eval_by_len"] == {} and strict_json(tmp_path / "results.json")["eval_by_len"] == {}
 
 
-@pytest.mark.parametrize("strategy,devices", fast_first([("pmap", 2), ("shard_map", 4)]))
+@pytest.mark.parametrize("strategy,devices", fast_first([("pmap", 2), ("shard_map", 4)], why="cross-product",
+                                                      first_why="long"))
 def test_each_length_compiles_once_and_matches_one_device(tmp_path, caplog, strategy, devices):
     """Several devices, several evaluations: one eval step and one batch sampler more per further
     length, each compiled once; the numbers are those of one device."""
@@ -111,7 +112,7 @@ def test_bad_eval_lengths_name_the_key_and_what_is_allowed(overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.slow  # the line itself is checked in process above; this is train.py's exit code around it
+@pytest.mark.slow("end-to-end")  # the line itself is checked in process above; this is train.py's exit code around it
 def test_train_py_exits_2_with_one_line_for_a_bad_data_key(tmp_path):
     from conftest import TINY, run_train
 
@@ -121,7 +122,7 @@ def test_train_py_exits_2_with_one_line_for_a_bad_data_key(tmp_path):
                                                            "adding example has data.seq_len steps")
 
 
-@pytest.mark.parametrize("strategy", fast_first(["pmap", "shard_map"]))
+@pytest.mark.parametrize("strategy", fast_first(["pmap", "shard_map"], why="cross-product", first_why="long"))
 def test_eval_examples_are_the_models_outputs_on_their_inputs(strategy):
     """The examples the eval step returns beside its metrics are the model's outputs on the first device's first
     examples, as a separate `model.apply` gives them."""

@@ -22,6 +22,7 @@ SEGMENTED = [("parity", ()), ("word_problem", (("group", "s3"),)), ("word_proble
              ("modular_arithmetic", (("modulus", 5),))]
 
 
+@pytest.mark.slow("long")
 @settings(max_examples=5, deadline=None)
 @given(which=st.sampled_from(SEGMENTED), length=st.integers(1, 40), cuts=st.lists(st.integers(1, 9), min_size=1),
        seed=st.integers(0, 2**16))
@@ -60,7 +61,7 @@ def evaluate(config, length, segment_len):
     (("data=parity", "model=mamba", "model.allow_neg_eigval=true"),),
     (("data=modular_arithmetic", "model=lstm"),),
     (("data=word_problem", "data.group=a5", "model=attention", "model.window=6"),),
-]))
+], why="cross-product", first_why="long"))
 def test_the_segmented_eval_scores_what_the_whole_eval_scores(overrides):
     config = tiny_config(*overrides, "eval_batches=2")
     whole = evaluate(config, 29, None)
@@ -71,6 +72,7 @@ def test_the_segmented_eval_scores_what_the_whole_eval_scores(overrides):
             np.testing.assert_allclose(got[key], whole[key], rtol=2e-5, atol=1e-6, err_msg=f"{key} in segments of {segment_len}")
 
 
+@pytest.mark.slow("long")
 def test_a_segment_runs_at_most_the_block_tokens_per_device_and_scores_the_same(monkeypatch):
     assert [steps.eval_block_len(4096, b) for b in (1, 32, 20_000)] == [4096, 512, 1]
     config = tiny_config("data=parity", "model=gru", "eval_batches=1")
@@ -86,6 +88,7 @@ def test_a_segment_runs_at_most_the_block_tokens_per_device_and_scores_the_same(
         np.testing.assert_allclose(got[key], whole[key], rtol=2e-5, atol=1e-6, err_msg=key)
 
 
+@pytest.mark.slow("long")
 def test_train_py_reports_a_length_evaluated_in_segments(tmp_path):
     config = tiny_config("data=parity", "model=gru", "data.eval_seq_lens=[6,50]", "data.eval_segment_len=16",
                          "checkpoint.enabled=false", "steps=4", "eval_every=4")

@@ -34,6 +34,7 @@ def segmented(config, length, segment_len):
     return dp, dp.replicate(state), evaluator
 
 
+@pytest.mark.slow("long")
 def test_a_segmented_eval_stops_between_its_chunks_and_scores_the_same_in_any_chunks(monkeypatch):
     config = tiny_config("data=parity", "model=gru", "eval_batches=2")
     dp, state, evaluator = segmented(config, 203, 4)  # 50 segments of 4 steps a batch, then 3 steps
@@ -52,6 +53,7 @@ def test_a_segmented_eval_stops_between_its_chunks_and_scores_the_same_in_any_ch
     assert counts == [1] * (2 * 50)
 
 
+@pytest.mark.slow("long")
 def test_an_evaluation_stops_between_its_lengths():
     config = tiny_config("data=parity", "model=gru", "data.eval_seq_lens=[6,9]")
     task = tasks.make_task(config.data)
@@ -66,6 +68,7 @@ def test_an_evaluation_stops_between_its_lengths():
     assert set(fns.evaluate(state)[0]) == {6, 9}
 
 
+@pytest.mark.slow("long")
 def test_a_length_whose_measured_time_is_past_the_budget_is_refused_in_one_line(monkeypatch, caplog):
     monkeypatch.setattr(steps, "MEASURE_SECONDS", 0.0)  # predict from the first timed chunk
     monkeypatch.setattr(steps, "NOTE_SECONDS", 0.0)
@@ -152,6 +155,7 @@ class StopDuringEval(PreemptionGuard):
         pass
 
 
+@pytest.mark.slow("long")
 def test_a_stop_during_an_eval_ends_the_run_preempted_with_its_checkpoint_and_a_rerun_evaluates(tmp_path, monkeypatch):
     config = tiny_config("data=parity", "model=gru", "data.eval_seq_lens=[6,300]", "data.eval_segment_len=16",
                          "steps=4", "eval_every=4", "checkpoint.every=4")
@@ -176,6 +180,7 @@ def test_a_stop_during_an_eval_ends_the_run_preempted_with_its_checkpoint_and_a_
     assert 0 <= results["eval_by_len"]["300"]["accuracy"] <= 1
 
 
+@pytest.mark.slow("long")
 def test_an_eval_refused_at_run_time_keeps_its_checkpoint_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(steps, "MEASURE_SECONDS", 0.0)
     config = tiny_config("data=parity", "model=gru", "data.eval_seq_lens=[6,3000]", "data.eval_segment_len=8",
@@ -196,12 +201,17 @@ def load_eval_long():
     return module
 
 
-def trained_run(run, *overrides):
-    """A tiny run of `overrides` with a checkpoint, trained in `run` as train.py would, for scripts/eval_long.py."""
+def trained_run(run, *overrides, train=True):
+    """A tiny run of `overrides` with a checkpoint, trained in `run` as train.py would, for scripts/eval_long.py.
+    With train=False only what eval_long reads before it restores anything: the composed config and a step's
+    folder under checkpoints/ (its refusals of options and of runs come before any restore)."""
     from omegaconf import OmegaConf
 
     config = tiny_config(*overrides, "steps=2", "eval_every=2", "checkpoint.every=2")
-    train_and_evaluate(config, run)
+    if train:
+        train_and_evaluate(config, run)
+    else:
+        (run / "checkpoints" / "2").mkdir(parents=True)
     (run / ".hydra").mkdir()  # what Hydra writes for train.py
     OmegaConf.save(OmegaConf.create(json.loads(json.dumps(cfg.to_dict(config)))), run / ".hydra" / "config.yaml")
     return run
@@ -211,6 +221,12 @@ def trained_run(run, *overrides):
 def trained(tmp_path_factory):
     """A tiny parity run with a checkpoint, for scripts/eval_long.py."""
     return trained_run(tmp_path_factory.mktemp("trained") / "run", "data=parity", "model=gru")
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    """`trained`'s run dir as eval_long's refusals read it (config and a checkpoint's folder), not trained."""
+    return trained_run(tmp_path_factory.mktemp("untrained") / "run", "data=parity", "model=gru", train=False)
 
 
 BAD_OPTIONS = [
@@ -230,23 +246,23 @@ BAD_OPTIONS = [
 
 
 @pytest.mark.parametrize("args,message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
-def test_eval_long_refuses_a_bad_option_in_one_line(trained, capsys, args, message):
+def test_eval_long_refuses_a_bad_option_in_one_line(untrained, capsys, args, message):
     with pytest.raises(SystemExit) as info:
-        load_eval_long().parser().parse_args([str(trained), *args])
+        load_eval_long().parser().parse_args([str(untrained), *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("eval_long: error: ") and message in err
 
 
-def test_eval_long_refuses_a_missing_run_dir_and_a_metric_its_task_lacks(trained, tmp_path, capsys):
+def test_eval_long_refuses_a_missing_run_dir_and_a_metric_its_task_lacks(untrained, tmp_path, capsys):
     eval_long = load_eval_long()
     with pytest.raises(SystemExit) as info:
         eval_long.parser().parse_args([str(tmp_path / "missing"), "--lengths", "10"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and "argument RUN_DIR: " in err and "not a run dir" in err
-    assert eval_long.main([str(trained), "--lengths", "10", "--metric", "mse"]) == 2
+    assert eval_long.main([str(untrained), "--lengths", "10", "--metric", "mse"]) == 2
     err = capsys.readouterr().err
     assert err == "eval_long: error: argument --metric: got 'mse', allowed for the parity task of " \
-                  f"{trained}: loss, accuracy\n"
+                  f"{untrained}: loss, accuracy\n"
 
 
 def test_eval_long_refuses_a_text_run_in_one_line_naming_what_evaluates_it(tmp_path, capsys):
@@ -255,8 +271,7 @@ def test_eval_long_refuses_a_text_run_in_one_line_naming_what_evaluates_it(tmp_p
     from conftest import TEXT_FIXTURE_DATA
 
     run = trained_run(tmp_path / "run", *TEXT_FIXTURE_DATA, "model=lstm", "num_layers=1", "batch_size=4",
-                      "data.seq_len=8", "data.eval_streams=2")
-    capsys.readouterr()  # the training's own lines
+                      "data.seq_len=8", "data.eval_streams=2", train=False)
     assert load_eval_long().main([str(run), "--lengths", "1000"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, err
@@ -291,7 +306,7 @@ def ends_within(proc, seconds):
     return out, time.time() - started
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_train_py_stops_a_long_eval_within_seconds_and_a_rerun_evaluates_again(tmp_path):
     run = tmp_path / "run"
     command = [sys.executable, str(ROOT / "train.py"), *LONG, "eval_max_minutes=null", f"hydra.run.dir={run}"]
@@ -327,7 +342,7 @@ def test_train_py_stops_a_long_eval_within_seconds_and_a_rerun_evaluates_again(t
     assert status == "aborted" and "aborted by a second interrupt" in out, (attempt, out[-3000:])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_train_py_refuses_an_eval_beyond_reason_in_one_line(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *LONG, "data.eval_seq_lens=[1000000000]",
@@ -347,7 +362,7 @@ def test_train_py_refuses_an_eval_beyond_reason_in_one_line(tmp_path):
     assert saved_steps(run / "checkpoints") == {4}  # the training is kept
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_eval_long_predicts_refuses_and_stops_within_seconds(trained, tmp_path):
     script = [sys.executable, str(ROOT / "scripts" / "eval_long.py"), str(trained), "--segment", "16", "--sequences", "8"]
     proc = subprocess.run([*script, "--lengths", "0"], env=train_env(), capture_output=True, text=True, timeout=120)

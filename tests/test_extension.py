@@ -94,7 +94,7 @@ def test_the_new_cell_computes_its_equations():
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_the_new_cell_and_task_train_through_train_and_evaluate(tmp_path):
     from conftest import tiny_config
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -124,6 +124,7 @@ def test_the_flop_count_of_the_new_cell_equals_its_traced_matmuls(options):
     assert flops.jaxpr_matmul_flops(step, *args) == analytic(config, task).executed
 
 
+@pytest.mark.slow("end-to-end")
 def test_the_new_cell_and_task_train_through_train_py(tmp_path):
     from conftest import ROOT, train_env
 

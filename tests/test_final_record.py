@@ -5,6 +5,8 @@ results.json carries its provenance."""
 import json
 import os
 
+import pytest
+
 from conftest import tiny_config
 from rnnlab import config as cfg
 from rnnlab.trainer import train_and_evaluate
@@ -27,6 +29,7 @@ def test_rerunning_a_finished_run_writes_nothing_and_returns_its_record(tmp_path
     assert again == json.loads(record)
 
 
+@pytest.mark.slow("long")
 def test_a_rerun_that_evaluates_again_keeps_the_trainings_figures(tmp_path):
     first = train_and_evaluate(tiny_config("steps=6", "log_every=3", "eval_every=6"), tmp_path)
     again = train_and_evaluate(tiny_config("steps=6", "log_every=3", "eval_every=6", "eval_batches=3"), tmp_path)

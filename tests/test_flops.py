@@ -129,7 +129,7 @@ FULL_OPTIONS = [(c, o) for o in OPTIONS for c in PACKAGE_CELLS if _applies(c, o)
 
 
 @pytest.mark.parametrize("cell, options", FAST_OPTIONS + fast_first(
-    [(c, o) for c, o in FULL_OPTIONS if (c, o) not in FAST_OPTIONS], keep=0),
+    [(c, o) for c, o in FULL_OPTIONS if (c, o) not in FAST_OPTIONS], keep=0, why="cross-product"),
                          ids=lambda v: v if isinstance(v, str) else ",".join(v) or "default")
 def test_analytic_count_equals_the_traced_matmuls(cell, options):
     """Exact: every dot_general of the traced step (scan bodies times their length), remat included."""
@@ -137,7 +137,8 @@ def test_analytic_count_equals_the_traced_matmuls(cell, options):
     assert flops.jaxpr_matmul_flops(step, *args) == analytic(config, task).executed
 
 
-@pytest.mark.parametrize("cell", fast_first(sorted(PACKAGE_CELLS, key=lambda c: c not in ("rnn", "mingru")), keep=2))
+@pytest.mark.parametrize("cell", fast_first(sorted(PACKAGE_CELLS, key=lambda c: c not in ("rnn", "mingru")), keep=2,
+                                             why="cross-product"))
 def test_analytic_count_agrees_with_xla_cost_analysis(cell, num_layers=2):
     """XLA counts a loop body once: unroll the scans so it counts every iteration, then compare.
 
@@ -240,6 +241,7 @@ def test_an_mfu_above_the_peak_is_not_reported_but_named(caplog):
     assert len(caplog.records) == 1 and "scripts/peak_flops.py" in caplog.records[0].getMessage()
 
 
+@pytest.mark.slow("long")
 def test_training_reports_mfu_against_the_cached_peak(tmp_path, monkeypatch, tiny):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -286,7 +288,7 @@ HYBRIDS = [
 ]
 
 
-@pytest.mark.parametrize("overrides", fast_first(HYBRIDS, keep=2), ids=lambda o: "+".join(o[:2]))
+@pytest.mark.parametrize("overrides", fast_first(HYBRIDS, keep=2, why="cross-product"), ids=lambda o: "+".join(o[:2]))
 def test_hybrid_pattern_count_equals_the_traced_matmuls(overrides):
     """Each layer's own cell (its input width, step, mixing with its own time_scan), summed over the layers."""
     step, args, config, task = step_and_args([*SMALL, *overrides])

@@ -194,7 +194,7 @@ def test_fuzz_config_fast(overrides):
     check(overrides)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 @settings(max_examples=150, **SETTINGS)
 @given(override_lists())
 def test_fuzz_config_full(overrides):
@@ -220,7 +220,7 @@ BOUNDED_VALUES = ["steps=2", "eval_batches=1"]
 BOUNDED = tuple(v.split("=")[0] for v in BOUNDED_VALUES)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 @settings(max_examples=6, **SETTINGS)
 @given(overrides=override_lists())  # by name: a positional strategy fills the rightmost argument (the fixture)
 def test_fuzz_train_py_end_to_end(overrides, tmp_path_factory):
@@ -396,7 +396,7 @@ def test_boundary_draws_fast(draw):
     assert violation(draw) is None
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_every_boundary_draw():
     """Every boundary draw, all failures listed at once: each is a check that disagrees with a declaration."""
     failures = [problem for problem in map(violation, boundaries()) if problem]
@@ -439,7 +439,7 @@ def test_every_number_key_is_declared_or_checked_across_keys():
     assert not undeclared and not wrong_null, (undeclared, wrong_null)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_the_boundary_draws_catch_a_missing_divisor_check(monkeypatch):
     """Planted bug: the declarations' divisor check (`Allowed.divides`) dropped, so `model=attention
     model.num_heads=3` (hidden_dim 64) passes the config and would fail in the model's reshape after a
@@ -459,7 +459,7 @@ def test_the_boundary_draws_catch_a_missing_divisor_check(monkeypatch):
     assert code == 0 and init_problem(config, overrides)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_the_boundary_draws_catch_an_off_by_one_at_a_closed_upper_end(monkeypatch):
     """Planted bug: the range check lets through the first integer past a closed upper end (`value > high`
     written `value > high + 1`), so device.steps_per_dispatch=9, device.num_devices=65 and seed=2^32 pass.

@@ -41,8 +41,10 @@ def test_pattern_defaults_of_every_cell_class_agree_with_its_model_config(model)
     assert m.pattern == () and m.layer_cells() == (m.layer_cells()[0],) and len(m.layer_cells()) == 1
 
 
-@pytest.mark.parametrize("cell, scan", [("rnn", True), ("rnn", False), ("gated_deltanet", False),
-                                        pytest.param("gated_deltanet", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cell, scan", [pytest.param("rnn", True, marks=pytest.mark.slow("cross-product")),
+                                        ("rnn", False),
+                                        pytest.param("gated_deltanet", False, marks=pytest.mark.slow("cross-product")),
+                                        pytest.param("gated_deltanet", True, marks=pytest.mark.slow("cross-product"))])
 def test_a_one_cell_pattern_is_todays_model_bit_for_bit(cell, scan):
     """Same parameter tree (names, shapes, values) and the same outputs, exactly, for [cell] and [cell, cell]."""
     x = jax.random.normal(jax.random.key(1), (2, 6, 2))
@@ -55,6 +57,7 @@ def test_a_one_cell_pattern_is_todays_model_bit_for_bit(cell, scan):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.slow("long")
 def test_hybrid_parameter_tree_has_the_documented_names_and_stacked_shapes():
     config = compose_config([*HYBRID, *SMALL])
     params, y = init_and_apply(config, jnp.ones((2, 6, 2)))
@@ -83,6 +86,7 @@ def test_hybrid_layers_run_their_own_cells_with_their_own_defaults():
                                                                          ("gru", "orthogonal", "custom_vjp")]
 
 
+@pytest.mark.slow("long")
 def test_pattern_keys_set_their_cells_layers_as_model_cell_would():
     """[gated_deltanet, attention] with +model.pattern_keys.attention.window=2 is, parameter for parameter and output
     for output, the same stack with attention as model.cell and model.window=2; and the window is not ignored."""
@@ -109,7 +113,8 @@ def test_pattern_keys_set_their_cells_layers_as_model_cell_would():
     assert (m.layer_cells()[1].recurrence, m.layer_cells()[1].forget_bias) == ("autodiff", 0.0)
 
 
-@pytest.mark.parametrize("overrides", [HYBRID, ["model=rnn", "model.pattern=[rnn,lstm,gru]", "num_layers=6"]],
+@pytest.mark.parametrize("overrides", [pytest.param(HYBRID, marks=pytest.mark.slow("cross-product")),
+                                       ["model=rnn", "model.pattern=[rnn,lstm,gru]", "num_layers=6"]],
                          ids=["gated_deltanet+attention", "rnn+lstm+gru"])
 def test_hybrid_scanned_groups_equal_the_python_loop(overrides):
     x = jax.random.normal(jax.random.key(1), (2, 6, 2))
@@ -126,7 +131,7 @@ def test_hybrid_scanned_groups_equal_the_python_loop(overrides):
     assert not np.allclose(w[0], w[1])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_hybrid_stack_init_vmap_gives_the_scan_layout():
     x = jnp.ones((2, 6, 2))
     hybrid = ["model=rnn", "model.pattern=[rnn,gru]", "num_layers=4", "model.block=residual", *SMALL]
@@ -175,7 +180,7 @@ def test_a_resume_that_changes_the_pattern_is_refused_and_old_records_resume():
     assert train.config_exit(["checkpoint.allow_changes=[model.pattern_keys.attention.window]"]) == (0, "")
 
 
-@pytest.mark.slow  # train_and_evaluate end to end; the fast tier keeps the stack's own equivalences
+@pytest.mark.slow("long")  # train_and_evaluate end to end; the fast tier keeps the stack's own equivalences
 def test_a_hybrid_trains_saves_and_resumes(tmp_path):
     from rnnlab.trainer import train_and_evaluate
 

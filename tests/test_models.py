@@ -66,7 +66,7 @@ def test_scanned_params_are_stacked_on_a_leading_layer_axis():
 
 # input width 5: folded (5 < 2H) and not (5 >= 2H)
 @pytest.mark.parametrize("hidden_dim, recurrence", fast_first([(8, "custom_vjp"), (2, "autodiff"), (8, "autodiff"),
-                                                              (2, "custom_vjp")], keep=2))
+                                                              (2, "custom_vjp")], keep=2, why="cross-product"))
 def test_model_is_projection_then_elman_stack_then_readout(hidden_dim, recurrence):
     """The whole model against NumPy: x P + c, two Elman layers, the readout at every step,
     however the first layer computes its input term (the projection folded into W_xh or not)."""

@@ -32,6 +32,7 @@ def test_by_layer_splits_the_scanned_stack_along_its_layer_axis():
     assert norms["grad_norm/layer_0"] == pytest.approx(np.sqrt(49 * 12 + 3))
 
 
+@pytest.mark.slow("long")
 def test_layers_are_named_alike_whether_the_stack_is_scanned_or_a_loop():
     def layers(*overrides):
         config = tiny_config("model=gru", "num_layers=3", *overrides)
@@ -58,7 +59,7 @@ def reference_gradients(config, params, step):
 @pytest.mark.parametrize("devices", [("device.num_devices=1",),
                                      ("device.num_devices=2", "device.strategy=pmap"),
                                      ("device.num_devices=2", "device.strategy=shard_map")])
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_histograms_and_layer_norms_match_the_checkpoint_and_its_gradient(tmp_path, devices):
     config = tiny_config("model=gru", "num_layers=3", "steps=10", "checkpoint.every=5", *EVERY, *devices)
     train_and_evaluate(config, tmp_path)
@@ -84,6 +85,7 @@ def test_histograms_and_layer_norms_match_the_checkpoint_and_its_gradient(tmp_pa
     assert grad_hist.num == g.size and grad_hist.max == pytest.approx(float(g.max()), rel=2e-4, abs=1e-7)
 
 
+@pytest.mark.slow("long")
 def test_histograms_are_off_by_default_and_their_steps_are_dispatch_ends(tmp_path):
     config = tiny_config()
     assert config.log.histograms_every == 0
@@ -99,7 +101,7 @@ def test_a_negative_histogram_period_is_refused():
         compose_config(["log.histograms_every=-1"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_a_diverging_run_stops_as_diverged_and_skip_mode_still_writes_its_histograms(tmp_path):
     from rnnlab.trainer import NonFiniteLossError
 

@@ -68,10 +68,11 @@ def scalars(run_dir, tag):
 
 
 @pytest.mark.parametrize("extra", [
-    pytest.param(("device.num_devices=2", "data=copy", "data.seq_len=12", "model=lstm"), id="pmap-2-devices-copy"),
+    pytest.param(("device.num_devices=2", "data=copy", "data.seq_len=12", "model=lstm"), id="pmap-2-devices-copy",
+                 marks=pytest.mark.slow("long")),
     pytest.param(("device.num_devices=2", "device.strategy=shard_map", "data.eval_seq_lens=[6,12]",
                   "data.eval_segment_len=4", "log.histograms_every=4"), id="shard_map-segments-histograms",
-                 marks=pytest.mark.slow),
+                 marks=pytest.mark.slow("cross-product")),
 ])
 def test_each_member_ends_as_its_own_run(tmp_path, extra):
     from rnnlab.population import train_population
@@ -101,6 +102,7 @@ def scalars_tag(run_dir):
     return next(t for t in events.Tags()["scalars"] if t.startswith("grad_norm/")).split("/", 1)[1]
 
 
+@pytest.mark.slow("long")
 def test_a_diverged_member_stops_alone_where_its_run_stops(tmp_path):
     from rnnlab.population import train_population
     from rnnlab.report import NonFiniteLossError
@@ -119,7 +121,7 @@ def test_a_diverged_member_stops_alone_where_its_run_stops(tmp_path):
     assert all(step < bad["step"] for step in saved)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, caplog):
     """As after a SIGKILL between the members' saves: one member lacks the newest checkpoint."""
     from rnnlab.population import train_population
@@ -140,6 +142,7 @@ def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, cap
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow("long")
 def test_a_member_that_would_start_afresh_beside_trained_ones_is_refused_and_nothing_is_deleted(tmp_path):
     from rnnlab.checkpoint import CheckpointError
     from rnnlab.population import train_population
@@ -187,7 +190,7 @@ def run_dirs(sweep_dir):
     return sorted(p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name[0].isdigit())
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_the_launcher_writes_what_the_basic_launcher_writes(tmp_path):
     common = ["-m", *SWEEP, "steps=12", "eval_every=6", "checkpoint.every=6"]
     population = run_train([*common, "hydra/launcher=population", f"hydra.sweep.dir={tmp_path / 'population'}"],
@@ -217,7 +220,7 @@ def start_and_stop(command, sweep_dir, at_step, signum, cwd):
     return proc.wait(timeout=120)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_grown_grid_trains_the_new_member_apart_and_keeps_the_finished_ones(tmp_path):
     common = ["-m", *[o for o in SWEEP if not o.startswith(("seed=", "optimizer.lr="))], "steps=12", "eval_every=6",
               "checkpoint.every=6", "hydra/launcher=population", f"hydra.sweep.dir={tmp_path / 's'}"]
@@ -235,7 +238,7 @@ def test_a_grown_grid_trains_the_new_member_apart_and_keeps_the_finished_ones(tm
     assert len(list((tmp_path / "s").glob("population_*.log"))) == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_sigterm_and_sigkill_then_the_same_command_ends_as_an_uninterrupted_population(tmp_path):
     common = ["-m", *SWEEP, "steps=300", "eval_every=150", "checkpoint.every=10", "log_every=10",
               "hydra/launcher=population"]
@@ -255,6 +258,7 @@ def test_sigterm_and_sigkill_then_the_same_command_ends_as_an_uninterrupted_popu
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow("end-to-end")
 def test_bad_launcher_keys_exit_2_with_one_line(tmp_path):
     proc = run_train(["-m", *SWEEP, "hydra/launcher=population", "hydra.launcher.member_keys=[model]",
                       f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path)
@@ -262,7 +266,7 @@ def test_bad_launcher_keys_exit_2_with_one_line(tmp_path):
     assert "key 'hydra.launcher.member_keys': got 'model', allowed: optimizer.lr, seed" in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_the_device_check_runs_at_a_toy_size(tmp_path):
     """scripts/bench_population.py, as scripts/gpu_population.sh runs it on a device, at a toy size on the CPU."""
     out = tmp_path / "rows.json"

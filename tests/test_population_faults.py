@@ -54,6 +54,7 @@ def test_max_members_is_null_or_an_integer_of_at_least_1(value):
     assert max_members_value(None) is None and max_members_value(2) == 2
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_bad_max_members_exits_2_with_one_line(tmp_path):
     proc = run_train(["-m", *SWEEP, "optimizer.lr=1e-3,3e-3", "hydra.launcher.max_members=abc",
                       f"hydra.sweep.dir={tmp_path / 's'}"], cwd=tmp_path)
@@ -78,6 +79,7 @@ def test_a_text_sweep_is_refused_before_launch_in_one_line_writing_no_job(tmp_pa
 
 # 2. A member's own fault fails it alone.
 
+@pytest.mark.slow("long")
 def test_a_members_unwritable_run_dir_or_failing_save_fails_that_member_alone(tmp_path, monkeypatch):
     from rnnlab import checkpoint
     from rnnlab.population import train_population
@@ -105,7 +107,7 @@ def test_a_members_unwritable_run_dir_or_failing_save_fails_that_member_alone(tm
     assert sorted(p.name for p in (population[2].workdir / "checkpoints").iterdir() if p.name.isdigit()) == ["4"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_a_refused_or_unreadable_resume_fails_that_member_alone_and_a_finished_one_stays_as_it_is(tmp_path):
     """Issue 72, parts 2 and 6: rerun beside a grown grid, one member with another lr (refused), one whose
     checkpoints are garbage, one finished with its config (final: not retrained, re-evaluated or rewritten)."""
@@ -151,6 +153,7 @@ def running_sweep(tmp_path):
     return sweep
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_second_population_on_a_running_sweep_dir_is_refused_and_touches_nothing(running_sweep, tmp_path):
     import fcntl
     import socket
@@ -171,6 +174,7 @@ def test_a_second_population_on_a_running_sweep_dir_is_refused_and_touches_nothi
     assert "failed" not in proc.stdout  # no status line of the running sweep's counts
 
 
+@pytest.mark.slow("end-to-end")
 def test_without_the_status_callback_the_launcher_refuses_on_the_run_dir_lock(running_sweep, tmp_path):
     from rnnlab.rundir import RunDirLock
 
@@ -189,6 +193,7 @@ def test_without_the_status_callback_the_launcher_refuses_on_the_run_dir_lock(ru
 
 # 5. The exit codes and lines the README gives.
 
+@pytest.mark.slow("end-to-end")
 def test_a_sweep_dir_that_cannot_be_written_exits_74_with_one_line(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")  # a read-only dir would do, but the tests may run as root
@@ -225,7 +230,7 @@ def test_a_stopped_sweep_with_a_named_dir_says_how_to_resume(monkeypatch, capsys
         "hydra/launcher=population hydra.sweep.dir=multirun/mine")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_stopped_population_then_a_members_broken_checkpoints_fail_that_member_alone(tmp_path):
     """The probe of issue 72: a 2-member population stopped by SIGTERM says how to resume (exit 75); member 0's
     checkpoints then cannot be written; the rerun fails member 0 alone (exit 74, its results.json and train.log say

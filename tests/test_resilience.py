@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import ROOT, TINY, assert_same_tree, run_train, saved_state, train_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("end-to-end")
 
 STEPS = 60
 RUN = [o for o in TINY if not o.startswith(("device", "steps", "log_every", "checkpoint"))] + [

@@ -13,7 +13,6 @@ import pytest
 
 from conftest import ROOT, TINY, run_train, saved_record, saved_state, tiny_config, train_env
 
-pytestmark = pytest.mark.slow
 
 RUN = [o for o in TINY if not o.startswith("steps")] + ["steps=12"]
 
@@ -32,6 +31,7 @@ def one_error_line(proc):
 
 # 1. One writer per run dir.
 
+@pytest.mark.slow("end-to-end")
 def test_a_second_run_on_a_held_run_dir_stops_at_once_naming_the_holder(tmp_path):
     run_dir = tmp_path / "run"
     first = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *RUN, "steps=4000", "log_every=50",
@@ -105,6 +105,7 @@ def train_with_failing_saves(run_dir, failing_step, stuck_thread, *extra):
                           env=train_env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_failed_save_with_a_stuck_thread_exits_within_seconds(tmp_path):
     started = time.time()
     proc = train_with_failing_saves(tmp_path / "run", 6, True)
@@ -112,6 +113,7 @@ def test_a_failed_save_with_a_stuck_thread_exits_within_seconds(tmp_path):
     assert "No space left on device, errno 28" in one_error_line(proc)
 
 
+@pytest.mark.slow("end-to-end")
 def test_disk_full_mid_run_writes_results_then_the_rerun_resumes(tmp_path):
     run_dir = tmp_path / "run"
     proc = train_with_failing_saves(run_dir, 6, False)
@@ -145,6 +147,7 @@ def completed(tmp_path_factory):
 
 # 3. Resume changes are explicit.
 
+@pytest.mark.slow("end-to-end")
 def test_a_resume_that_changes_the_trajectory_lists_each_change_and_stops(tmp_path, completed):
     run_dir = tmp_path / "run"
     completed(run_dir)
@@ -162,6 +165,7 @@ def test_a_resume_that_changes_the_trajectory_lists_each_change_and_stops(tmp_pa
     assert_same_tree(saved_state(run_dir, 12), before)
 
 
+@pytest.mark.slow("end-to-end")
 def test_accepted_changes_are_recorded_with_their_step_and_free_keys_pass(tmp_path, completed):
     run_dir = tmp_path / "run"
     completed(run_dir)
@@ -176,6 +180,7 @@ def test_accepted_changes_are_recorded_with_their_step_and_free_keys_pass(tmp_pa
 
 # 5. The config travels with the checkpoint.
 
+@pytest.mark.slow("end-to-end")
 @pytest.mark.parametrize("damage", ["delete", "garbage{"])
 def test_a_lost_or_damaged_run_config_is_rewritten_from_the_checkpoint(tmp_path, damage, completed):
     run_dir = tmp_path / "run"
@@ -196,6 +201,7 @@ def test_a_lost_or_damaged_run_config_is_rewritten_from_the_checkpoint(tmp_path,
     assert json.loads(path.read_text()) == original
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_run_config_without_checkpoints_never_refuses_a_new_config(tmp_path):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints").mkdir(parents=True)  # as left by a run killed before its first checkpoint
@@ -219,6 +225,7 @@ def test_a_run_config_without_checkpoints_never_refuses_a_new_config(tmp_path):
     (["data.seq_len=100000000"], "with the layer outputs the backward keeps, would take about"),
     (["checkpoint.allow_changes=[lr]"], "key 'checkpoint.allow_changes': 'lr' is not a config key"),
 ])
+@pytest.mark.slow("end-to-end")
 def test_out_of_range_input_and_runs_that_cannot_fit_exit_2_at_once(tmp_path, args, expected):
     started = time.time()
     proc = train(tmp_path / "run", *args, timeout=120)
@@ -229,6 +236,7 @@ def test_out_of_range_input_and_runs_that_cannot_fit_exit_2_at_once(tmp_path, ar
         assert all(k in line for k in ("hidden_dim=", "batch_size=", "data.seq_len="))
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_train_step_that_cannot_fit_is_refused_after_compiling_before_running(tmp_path, monkeypatch):
     from rnnlab import memory
     from rnnlab.trainer import train_and_evaluate
@@ -239,6 +247,7 @@ def test_a_train_step_that_cannot_fit_is_refused_after_compiling_before_running(
     assert not (tmp_path / "checkpoints" / "3").exists()
 
 
+@pytest.mark.slow("end-to-end")
 def test_an_xla_allocation_failure_is_named_as_out_of_memory():
     import jax
     from rnnlab import memory

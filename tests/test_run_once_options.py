@@ -46,7 +46,7 @@ CELLS = sorted((p.stem for p in (ROOT / "conf" / "model").glob("*.yaml")), key=l
 CASES = [[f"model={cell}", task] for cell, task in zip(CELLS, TASKS * 3)]
 
 
-@pytest.mark.parametrize("cases", fast_first([CASES[:1], CASES[1:]]))
+@pytest.mark.parametrize("cases", fast_first([CASES[:1], CASES[1:]], why="cross-product", first_why="long"))
 def test_run_once_options_give_the_default_values(cases):
     env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
     proc = subprocess.run([sys.executable, "-c", CHECK, json.dumps(cases), CONF_DIR], cwd=ROOT, env=env,

@@ -46,6 +46,7 @@ def test_float32_models_divide_by_the_default_precision_peak(tmp_path, monkeypat
     assert flops.peak_flops(cpu, "float32_default", measure=False) == 4.0e9
 
 
+@pytest.mark.slow("long")
 def test_benchmark_gives_every_framework_the_whole_batch():
     """rnnlab's step runs on 2 devices, each with half the batch; torch and flax get all of it."""
     benchmark = load_script("benchmark")
@@ -73,7 +74,7 @@ def test_benchmark_composes_each_cells_own_model_config():
     assert benchmark.compose("lstm", 8, 4, 6, 1).model.init == "orthogonal"
 
 
-@pytest.mark.slow  # torch comes with the full tier
+@pytest.mark.slow("extra")  # torch comes with the full tier
 def test_torch_step_times_the_benchmarks_torch_alone(tmp_path):
     require("torch")
     out = tmp_path / "t.json"
@@ -108,7 +109,7 @@ def run_benchmark(tmp_path, *args):
     return proc, json.loads(out.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_benchmark_prints_a_row_and_writes_json(tmp_path):
     off = "xla_cpu_prefer_vector_width=256 xla_cpu_copy_insertion_use_region_analysis=false"
     proc, result = run_benchmark(tmp_path, "--cells", "lstm", "--shapes", "8,4,6,2", "--devices", "1", "2",
@@ -126,7 +127,7 @@ def test_benchmark_prints_a_row_and_writes_json(tmp_path):
     assert "lstm" in proc.stdout and "wrote" in proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_benchmark_times_the_loops_dispatch_at_each_size(tmp_path):
     proc, result = run_benchmark(tmp_path, "--cells", "gru", "--shapes", "8,4,6,1", "--dispatch", "1", "3")
     (row,) = result["dispatch_sizes"]
@@ -140,7 +141,7 @@ def benchmark_config(cell, h, b, t, layers):
     return load_script("benchmark").compose(cell, h, b, t, layers)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_bench_scans_times_every_form_of_a_cell(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     out = tmp_path / "scans.json"
@@ -155,7 +156,7 @@ def test_bench_scans_times_every_form_of_a_cell(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["rows"] == result["rows"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_bench_scans_memory_only_compiles_and_runs_nothing(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     result = load_script("bench_scans").main(["--cells", "mamba", "attention", "--seq-lens", "8", "--hidden", "8",
@@ -166,7 +167,7 @@ def test_bench_scans_memory_only_compiles_and_runs_nothing(tmp_path, monkeypatch
     assert all(row["memory_mib"] > 0 and row["tokens_per_sec"] is None for row in result["rows"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_bench_scans_as_configured_takes_each_config_and_reads_train_peak_rss(tmp_path, monkeypatch):
     """Each cell's own default form (mamba2: chunked; gru: sequential) and block, and the peak RSS of a
     real two-step `train.py` run: JAX alone holds hundreds of MiB, and a failing run is reported."""
@@ -179,14 +180,14 @@ def test_bench_scans_as_configured_takes_each_config_and_reads_train_peak_rss(tm
     assert all(row["train_exit"] == 0 and 200 < row["train_rss_mib"] < 8000 for row in rows)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_first_step_runs_each_cell_from_empty_caches_and_reads_its_results(capsys):
     (row,) = load_script("first_step").main(["--cells", "rnn", "--set", "steps=2"])
     assert row["cell"] == "rnn" and 0 < row["compile"] < row["run_wall"] < row["process_wall"]
     assert "| rnn |" in capsys.readouterr().out
 
 
-@pytest.mark.slow  # decoding itself: tests/test_decode.py
+@pytest.mark.slow("end-to-end")  # decoding itself: tests/test_decode.py
 def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     """scripts/bench_decode.py at a toy size: a row per cell, batch and context that fits; a recurrence's state
     bytes do not grow with the context, full attention's do, a window's stop at the window."""
@@ -211,7 +212,7 @@ def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     assert sum(line.startswith("| ") for line in proc.stdout.splitlines()) == len(rows) + 1  # the header and the rows
 
 
-@pytest.mark.slow  # the segmented evaluation itself: tests/test_eval_segments.py
+@pytest.mark.slow("end-to-end")  # the segmented evaluation itself: tests/test_eval_segments.py
 def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
     """scripts/eval_long.py restores a run's newest checkpoint and evaluates it in segments: at a length the run
     evaluated whole, on the same examples (its eval batch), it scores what the run's results.json says."""
@@ -235,7 +236,7 @@ def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
     assert 0 <= float(rows[1000]["accuracy"]) <= 1 and rows[1000]["step"] == "6"
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_bench_text_times_the_carried_the_reset_and_a_synthetic_loop_side_by_side(tmp_path):
     """scripts/bench_text.py at a toy size on the fixture corpus: a row per loop, the JSON the table printed."""
     out = tmp_path / "text.json"

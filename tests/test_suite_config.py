@@ -27,7 +27,7 @@ def test_{i}():
 '''
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_worker_crash_fails_the_run_and_does_not_hang(tmp_path):
     # Twelve modules (twelve loadscope units), the ninth crashing its worker on the first try: with
     # xdist's replaced worker this layout waits forever (pytest-dev/pytest-xdist#1378).

@@ -49,7 +49,7 @@ def grid_sweep(tmp_path_factory):
     return sweep_dir
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_basic_multirun_2x2_completes_every_job(grid_sweep):
     jobs = jobs_of(grid_sweep)
     assert len(jobs) == 4
@@ -61,7 +61,7 @@ def test_basic_multirun_2x2_completes_every_job(grid_sweep):
         assert not (job / "checkpoints").exists() or not any(p.name.isdigit() for p in (job / "checkpoints").iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_hparams_events_are_readable_per_job(grid_sweep):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import metadata
@@ -86,7 +86,7 @@ def test_hparams_events_are_readable_per_job(grid_sweep):
     assert seen == {(8, 1e-3), (8, 1e-2), (16, 1e-3), (16, 1e-2)}  # the HParams table tells the jobs apart
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_tensorboard_hparams_dashboard_shows_one_row_per_job(grid_sweep):
     """What `tensorboard --logdir <sweep dir>` serves to its HParams tab, from the plugin's own handlers."""
     from tensorboard import context
@@ -111,7 +111,7 @@ def test_tensorboard_hparams_dashboard_shows_one_row_per_job(grid_sweep):
         assert group.hparams["hidden_dim"].number_value == int(job.name.split("hidden_dim=")[1].split(",")[0])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_summarize_writes_tables_and_plots(grid_sweep, tmp_path):
     require("matplotlib")
     proc = summarize(grid_sweep, "--out", str(tmp_path))
@@ -127,7 +127,7 @@ def test_summarize_writes_tables_and_plots(grid_sweep, tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000, name
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     """Job 0 has a bad value: it fails first, job 1 still runs; the exit code and summary say so."""
     proc = run_train(["-m", "data.seq_len=1,6", *[o for o in SWEEP_TINY if "seq_len" not in o], "hidden_dim=8",
@@ -146,7 +146,7 @@ def test_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path):
     assert "**FAILED**: key 'data.seq_len'" in table and "| completed |" in table
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     require("hydra_plugins.hydra_joblib_launcher")
     # The jobs' own pin locks (cpu.pin_lock_dir is under the temp dir): on a machine where another sweep's
@@ -172,7 +172,7 @@ def test_joblib_runs_two_jobs_in_parallel_processes(tmp_path):
     assert all(" step 4/4 " in (job / "train.log").read_text() for job in jobs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_optuna_study_of_three_trials(tmp_path):
     require("hydra_plugins.hydra_optuna_sweeper")
     proc = run_train(["-m", "hparams_search=adding_optuna", "hydra.sweeper.n_trials=3", *SWEEP_TINY,
@@ -225,6 +225,7 @@ def test_progress_bar_draws_step_loss_rate_and_eta():
     assert re.fullmatch(r"training +━+╺?━* +50/100 loss 0\.1234 12,346 tokens/s \S+ ETA \S+\n", frames[-1]), frames[-1]
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_sweep_prints_one_status_line_per_job_and_each_jobs_output_goes_to_its_train_log(tmp_path):
     """Three tiny jobs with the basic launcher, the second failing: the terminal gets a status line per job
     (the failure counted, its train.log named) and none of the jobs' own lines; their train.logs hold them."""
@@ -247,7 +248,7 @@ def test_a_sweep_prints_one_status_line_per_job_and_each_jobs_output_goes_to_its
     assert "rnnlab: error: sweep job 1 (data.seq_len=1" in proc.stderr  # and the sweep's summary, as before
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_sweep_with_sweep_console_keeps_the_jobs_output_on_the_terminal(tmp_path):
     proc = run_train(["-m", "hidden_dim=8", "log.sweep_console=true", *SWEEP_TINY, f"hydra.sweep.dir={tmp_path}"],
                      cwd=tmp_path)
@@ -366,7 +367,7 @@ def test_a_preset_sweep_has_a_stable_dir_and_a_timestamped_one_is_named_to_resum
     assert len(long) <= len("multirun/zoo_mqar/") + train.MAX_SWEEP_NAME
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_stopped_parallel_sweep_resumes_by_the_command_it_prints(tmp_path):
     """Ctrl-C (SIGINT to the process group) stops a parallel-launcher preset sweep; the one line it prints
     is a command that, run as is, finishes every job, resuming those that had a checkpoint."""

@@ -87,7 +87,9 @@ def assert_tree_close(a, b, rtol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=rtol)
 
 
-@pytest.mark.parametrize("model", CARRIED_MODELS, ids=lambda m: m[0])
+@pytest.mark.parametrize("model", [CARRIED_MODELS[0],
+                                   pytest.param(CARRIED_MODELS[1], marks=pytest.mark.slow("cross-product"))],
+                         ids=lambda m: m[0])
 def test_the_train_state_carries_the_state_of_the_text_read_so_far_reset_at_each_document(model):
     config = text_config(lr=0.0, model=model)
     steps = 6
@@ -100,6 +102,7 @@ def test_the_train_state_carries_the_state_of_the_text_read_so_far_reset_at_each
     np.testing.assert_allclose([r["bpc"] for r in rows], np.array(losses) / math.log(2), rtol=1e-5)
 
 
+@pytest.mark.slow("long")
 def test_with_carry_state_false_every_step_starts_from_the_initial_state():
     config = text_config("data.carry_state=false", lr=0.0)
     state, rows = train(config, 3)
@@ -110,7 +113,8 @@ def test_with_carry_state_false_every_step_starts_from_the_initial_state():
     assert abs(carried_losses[-1] - losses[-1]) > 1e-6  # the carried state does change the loss
 
 
-@pytest.mark.parametrize("model", [CARRIED_MODELS[0], pytest.param(CARRIED_MODELS[1], marks=pytest.mark.slow)],
+@pytest.mark.parametrize("model", [pytest.param(CARRIED_MODELS[0], marks=pytest.mark.slow("long")),
+                                   pytest.param(CARRIED_MODELS[1], marks=pytest.mark.slow("cross-product"))],
                          ids=lambda m: m[0])
 def test_two_steps_with_the_carry_are_one_forward_over_both_windows_with_the_gradient_stopped_between(model):
     config = text_config(lr=0.0, model=model)
@@ -136,7 +140,8 @@ def test_two_steps_with_the_carry_are_one_forward_over_both_windows_with_the_gra
     assert abs(float(through) - float(stopped)) > 1e-4 * float(stopped)  # the gradient did not flow into step 1
 
 
-@pytest.mark.parametrize("strategy", ["pmap", pytest.param("shard_map", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("strategy", [pytest.param("pmap", marks=pytest.mark.slow("long")),
+                                      pytest.param("shard_map", marks=pytest.mark.slow("cross-product"))])
 def test_two_devices_carry_the_state_and_train_as_one(strategy):
     one, rows_one = train(text_config(lr=0.0), 6)
     two, rows_two = train(text_config(lr=0.0), 6, devices=2, strategy=strategy)
@@ -174,7 +179,8 @@ def reference_eval(task, model, params, split="valid"):
     return tuple(total / count / math.log(2) for total, count in sums.values())
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("devices", [pytest.param(1, marks=pytest.mark.slow("long")),
+                                     pytest.param(2, marks=pytest.mark.slow("cross-product"))])
 def test_bpc_carried_and_reset_are_those_of_a_host_loop_over_the_held_out_text(devices):
     config = text_config()
     state, _ = train(config, 4)  # trained a little, so the carried state matters
@@ -340,7 +346,7 @@ def test_sample_py_refuses_a_file_or_unreadable_checkpoints_as_run_dir_in_one_li
     assert err.startswith(f"sample: error: argument RUN_DIR: no checkpoint in {run / 'checkpoints'} can be restored")
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_sample_py_prints_text_from_a_trained_run_and_refuses_bad_options_in_one_line(tmp_path):
     run = tmp_path / "run"
     trained = run_train([*TEXT_FIXTURE_DATA, "model=lstm", "hidden_dim=8", "num_layers=1", "batch_size=4",
@@ -359,7 +365,7 @@ def test_sample_py_prints_text_from_a_trained_run_and_refuses_bad_options_in_one
         assert line.startswith("sample: error: argument " + bad[0])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 def test_a_killed_text_run_resumes_bit_for_bit_with_its_carried_state(tmp_path):
     args = [*TEXT_FIXTURE_DATA, "model=lstm", "hidden_dim=8", "num_layers=1", "batch_size=4", "data.seq_len=8",
             "data.eval_streams=2", "steps=40", "eval_every=20", "log_every=5", "checkpoint.every=1",

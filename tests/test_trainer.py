@@ -25,6 +25,7 @@ TB_TAGS = {
 }
 
 
+@pytest.mark.slow("long")
 def test_one_train_step_changes_every_parameter():
     config = tiny_config()
     task = tasks.make_task(config.data)
@@ -116,7 +117,7 @@ def test_resumed_run_continues_from_the_saved_step_and_matches(tmp_path, caplog)
     assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6, 8, 9]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_several_steps_per_dispatch_train_the_same_steps_as_one(tmp_path):
     """Dispatches of up to 8 or 5 steps end exactly at every log, eval and checkpoint step and
     run the same steps as one step per dispatch: the same parameters bit for bit between 5 and 8 (one loop body),
@@ -169,7 +170,7 @@ def test_dispatches_end_at_every_step_the_loop_has_work_and_cover_every_step(k):
                 assert ends[-1] == config.steps and all(0 < b - a <= k for a, b in zip([start, *ends], ends))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_divergence_inside_a_multi_step_dispatch_names_its_step(tmp_path):
     from rnnlab.trainer import NonFiniteLossError
 
@@ -182,7 +183,7 @@ def test_divergence_inside_a_multi_step_dispatch_names_its_step(tmp_path):
         assert json.loads((tmp_path / str(k) / "results.json").read_text())["step"] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_several_steps_per_dispatch_under_shard_map_on_four_devices(tmp_path):
     """Across 4 devices the looped step is another XLA program than the single step: the same
     steps, the same numbers to float32 rounding (bit-identity is only promised per setting)."""
@@ -208,7 +209,7 @@ def test_pmap_over_two_devices_matches_one_device(tmp_path):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy", fast_first(["pmap", "shard_map"]))
+@pytest.mark.parametrize("strategy", fast_first(["pmap", "shard_map"], why="cross-product", first_why="long"))
 def test_train_step_compiles_once(tmp_path, caplog, strategy):
     config = tiny_config("steps=40", "log_every=5", "eval_every=10", "checkpoint.every=10", f"device.strategy={strategy}")
     with caplog.at_level(logging.WARNING, logger="jax._src.interpreters.pxla"):
@@ -224,7 +225,7 @@ def test_train_step_compiles_once(tmp_path, caplog, strategy):
     assert len(compiles) == 3, compiles
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_default_job_learns(tmp_path):
     # The default config, only shorter: the loss must fall well below the trivial baseline.
     results = train_and_evaluate(compose_config(["steps=600", "eval_every=600"]), tmp_path)
@@ -239,7 +240,7 @@ def test_batch_that_does_not_divide_fails_before_compiling(tmp_path):
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_same_seed_is_bit_identical_and_another_seed_differs(tmp_path):
     runs = {name: tiny_config("steps=4", f"seed={seed}") for name, seed in (("a", 0), ("b", 0), ("c", 1))}
     for name, config in runs.items():
@@ -249,7 +250,7 @@ def test_same_seed_is_bit_identical_and_another_seed_differs(tmp_path):
     assert not np.array_equal(a["readout"]["kernel"], c["readout"]["kernel"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_skip_mode_drops_nonfinite_updates_and_counts_them(tmp_path):
     config = tiny_config("steps=4", "on_nonfinite=skip", "optimizer.lr=1e30", "optimizer.warmup_steps=0")
     results = train_and_evaluate(config, tmp_path)
@@ -263,7 +264,7 @@ def test_skip_mode_drops_nonfinite_updates_and_counts_them(tmp_path):
     assert_same_tree(first, saved_state(tmp_path, 4)["params"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_shard_map_strategy_matches_pmap_on_four_devices(tmp_path):
     runs = {}
     for strategy in ("pmap", "shard_map"):

@@ -26,7 +26,7 @@ def check(overrides, cuts, cache_len):
     return state
 
 
-@pytest.mark.parametrize("time_scan", fast_first(["blockwise", "parallel"]))
+@pytest.mark.parametrize("time_scan", fast_first(["blockwise", "parallel"], why="cross-product", first_why="long"))
 def test_window_ring_buffer_of_w_slots(time_scan):
     # w = 5 slots in blocks of 4 (the last block overlaps); segments of 1 to 9 steps, past the ring's end
     state = check([f"model.time_scan={time_scan}", "model.window=5", "model.block_size=4"], (1, 7, 3, 9, 2, 5), 27)
@@ -35,6 +35,7 @@ def test_window_ring_buffer_of_w_slots(time_scan):
     np.testing.assert_array_equal(np.asarray(cache["pos"]), [27, 27])
 
 
+@pytest.mark.slow("long")
 def test_long_cache_in_blocks():
     # 64 slots in blocks of 4, 35 of them filled; the segments' own blocks not whole either
     state = check(["model.block_size=4"], (5, 9, 1, 20), 64)

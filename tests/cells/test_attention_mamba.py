@@ -172,7 +172,8 @@ def test_attention_matches_numpy(fields, time_scan):
 
 @pytest.mark.parametrize("forms", fast_first([(("custom_vjp", "chunked"),), (("custom_vjp", "sequential"),),
                                               (("autodiff", "chunked"),), (("custom_vjp", "associative"),),
-                                              (("autodiff", "sequential"),), (("autodiff", "associative"),)], keep=2),
+                                              (("autodiff", "sequential"),), (("autodiff", "associative"),)], keep=2,
+                                             why="cross-product"),
                          ids="-".join)
 def test_mamba_matches_numpy(forms):
     recurrence_, time_scan = forms
@@ -204,6 +205,7 @@ def test_mamba_with_negative_eigenvalues_matches_numpy(forms):
     assert np.max(np.abs(want - numpy_mamba(x, params, **MAMBA))) > 0.05 * np.max(np.abs(want))  # the switch matters
 
 
+@pytest.mark.slow("long")
 def test_mamba_forms_agree_with_negative_eigenvalues():
     params, x = f32(params_of("mamba", MAMBA_NEG)), f32(inputs())
     weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA["hidden_dim"])), jnp.float32)
@@ -231,7 +233,8 @@ def with_leaf(tree, path, value):
 
 @pytest.mark.parametrize("cell, time_scan, switch", [("attention", "parallel", {}), ("attention", "blockwise", {}),
                                                      ("mamba", "sequential", {}), ("mamba", "chunked", {}),
-                                                     ("mamba", "chunked", {"allow_neg_eigval": True})])
+                                                     pytest.param("mamba", "chunked", {"allow_neg_eigval": True},
+                                                                  marks=pytest.mark.slow("cross-product"))])
 def test_gradients_match_finite_differences(cell, time_scan, switch):
     """jax.grad of sum(out * R) along random directions of x and of parameters, against central
     differences of the float64 loop."""
@@ -262,6 +265,7 @@ def test_gradients_match_finite_differences(cell, time_scan, switch):
             assert abs(ad - fd) <= 2e-5 * scale, (cell, path, ad, fd, scale)
 
 
+@pytest.mark.slow("long")
 def test_mamba_forms_agree_values_and_gradients():
     """Each (recurrence, time_scan) pair against autodiff of the sequential scan: the output and the
     gradients of every parameter and of x."""
@@ -274,6 +278,7 @@ def test_mamba_forms_agree_values_and_gradients():
     assert_forms_agree([make_layer("mamba", MAMBA, recurrence=r, time_scan=t) for r, t in forms], params, x, weights)
 
 
+@pytest.mark.slow("long")
 def test_attention_forms_agree_values_and_gradients():
     """blockwise (blocks of 3 and of 2, T=7 ending mid-block) against parallel: the output and the
     gradients of every parameter and of x."""

@@ -107,6 +107,7 @@ def train_accuracy_curve(model, config, task, seed=0):
     return curve
 
 
+@pytest.mark.slow("long")
 def test_the_twin_is_causal():
     """Its step t reads steps <= t only: a change at the last step leaves every earlier output as it was."""
     model = TextbookTransformer(vocab=10, outputs=3, width=8, depth=2, num_heads=2)
@@ -124,7 +125,7 @@ def test_rope_rotates_pairs_by_position():
     np.testing.assert_allclose(rope(jnp.asarray(x, jnp.float32)), np.concatenate([z.real, z.imag], -1), atol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_rnnlab_attention_learns_recall_as_its_textbook_twin_does():
     config = compose_config(OVERRIDES)
     task = tasks.make_task(config.data)

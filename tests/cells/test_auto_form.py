@@ -33,6 +33,7 @@ def test_a_cell_without_auto_forms_runs_its_default_form():
             assert kind.resolve_time_scan("auto", 16) == kind.default_form() != "auto"
 
 
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("cell, length", [("deltanet", 8), ("deltanet", 70), ("mlstm", 8)])
 def test_auto_builds_the_program_of_the_form_it_resolves_to(cell, length):
     x = np.random.default_rng(0).normal(size=(2, length, 3)).astype(np.float32)

@@ -21,10 +21,10 @@ B, T, H = 2, 23, 8
 CUTS = (1, 7, 7, 1, 7)
 
 
-# The fast tier: one cell of each kind of state, in its yaml's own form (a carry; a linear recurrence's h; an SSM's
-# state and conv tail; a matrix state; mLSTM's (C, n, m); RWKV-7's state and token shift). Attention's cache:
+# The fast tier: a vector state (lstm's carry) and a matrix state across chunks and segments (deltanet's chunked
+# form); every cell's each form that carries a state, in the full tier. Attention's cache:
 # tests/cells/test_attention_cache.py.
-FAST = ("lstm", "lru", "mamba", "deltanet", "mlstm", "rwkv7")
+FAST_CASES = {("lstm", "sequential"), ("deltanet", "chunked")}
 
 
 def auto_resolves_to(cell, cuts=CUTS):
@@ -37,8 +37,8 @@ def auto_resolves_to(cell, cuts=CUTS):
 
 
 def cell_forms():
-    """(model config, form) for every cell's yaml and each form of its cell that carries a state; `FAST`'s
-    own forms in the fast tier, the rest in the full tier. An `auto` that resolves to one form at every length
+    """(model config, form) for every cell's yaml and each form of its cell that carries a state; the cases
+    of `FAST_CASES` in the fast tier, the rest in the full tier. An `auto` that resolves to one form at every length
     `check_segments` runs is that form's case again, the same programs: left out
     (test_the_auto_cases_left_out_are_their_forms_cases)."""
     cases = []
@@ -49,8 +49,8 @@ def cell_forms():
         for i, form in enumerate(forms):
             if form == "auto" and len(resolved := auto_resolves_to(cell)) == 1 and resolved <= set(forms):
                 continue
-            fast = i == 0 and model in FAST
-            cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=() if fast else pytest.mark.slow))
+            marks = () if (model, form) in FAST_CASES else pytest.mark.slow("cross-product")
+            cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=marks))
     return cases
 
 
@@ -126,13 +126,13 @@ def test_the_auto_cases_left_out_are_their_forms_cases():
         assert programs["auto"] == programs[AUTO_IS[model]], model
 
 
-@pytest.mark.parametrize("model", fast_first(["rnn", "lstm", "mamba"]))
+@pytest.mark.parametrize("model", fast_first(["rnn", "lstm", "mamba"], why="cross-product"))
 def test_segments_of_float_inputs_and_unstacked_layers(model):
     check_segments([f"model={model}", "model.scan_layers=false", "num_layers=3", *small_overrides(model)],
                    tokens=False)
 
 
-@pytest.mark.slow  # the layers' states in a hybrid's groups; each cell's own: the fast tier above
+@pytest.mark.slow("cross-product")  # the layers' states in a hybrid's groups; each cell's own: the fast tier above
 @pytest.mark.parametrize("pattern", ["[gated_deltanet,attention]", "[mamba,mlstm,slstm]", "[rwkv7,lstm]"])
 def test_segments_of_a_hybrid(pattern):
     first = pattern.strip("[]").split(",")[0]

@@ -39,7 +39,7 @@ from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_produc
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent, ssd_chunked
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("extra")
 
 B, H, DK, DV = 2, 2, 8, 16
 # (length, chunk): shorter than its chunk (padded); several whole chunks; one whole chunk; whole chunks and a part.

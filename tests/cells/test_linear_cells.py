@@ -82,7 +82,7 @@ def test_cell_matches_numpy_equations(cell, recurrence, time_scan):
                                rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("cell", LINEAR_CELLS)
 def test_scans_and_backward_agree_with_autodiff_of_the_sequential_scan(cell):
     """Values and gradients (parameters and input) of every (recurrence, time_scan) pair against
@@ -104,6 +104,7 @@ def test_scans_and_backward_agree_with_autodiff_of_the_sequential_scan(cell):
             np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.slow("long")
 def test_linear_recurrence_gradient_against_numpy():
     """The hand-written backward against the reverse recurrence written out in NumPy, complex included."""
     rng = np.random.default_rng(5)
@@ -205,7 +206,7 @@ def test_cell_options_are_config_keys_that_round_trip():
     assert replace(config, **{"model.r_max": 0.5}).model.make_cell().r_max == 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("block", ["plain", "residual"])
 @pytest.mark.parametrize("cell", LINEAR_CELLS)
 def test_sequential_equals_associative_for_the_whole_model(cell, block):

@@ -77,7 +77,7 @@ def test_cell_matches_numpy_equations(cell, recurrence):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # torch comes with the full tier's install (.[test,bench])
+@pytest.mark.slow("extra")  # torch comes with the full tier's install (.[test,bench])
 @pytest.mark.parametrize("recurrence", ["autodiff", "custom_vjp"])
 @pytest.mark.parametrize("cell", ["lstm", "gru"])
 def test_two_layer_stack_matches_torch(cell, recurrence):
@@ -101,7 +101,7 @@ def model_config(*overrides, **fields):
     return dataclasses.replace(compose_config(list(overrides)).model, **fields)
 
 
-@pytest.mark.parametrize("cell,scheme", fast_first([("rnn", "identity"), ("lstm", "orthogonal")]))
+@pytest.mark.parametrize("cell,scheme", fast_first([("rnn", "identity"), ("lstm", "orthogonal")], why="cross-product"))
 def test_vmap_init_matches_scan_init(cell, scheme):
     x = jnp.zeros((2, 3, 2))
     trees = {}
@@ -148,7 +148,8 @@ def loss_and_grads(config, seq_len=9, seed=0):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("cell,activation", fast_first([("rnn", "tanh"), ("gru", "tanh"), ("rnn", "relu"), ("lstm", "tanh")]))
+@pytest.mark.parametrize("cell,activation", fast_first([("rnn", "tanh"), ("gru", "tanh"), ("rnn", "relu"), ("lstm", "tanh")],
+                                                        why="cross-product"))
 def test_custom_vjp_gives_the_same_loss_and_gradients_as_autodiff(cell, activation):
     """rnnlab/recurrence.py's hand-written backward against jax.grad through the scanned cell."""
     base = model_config(f"model={cell}", f"model.activation={activation}", "hidden_dim=8", "num_layers=2",
@@ -178,7 +179,7 @@ def _leaf(tree, path):
     return tree
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_remat_gives_the_same_loss_and_gradients():
     base = model_config("model=lstm", "hidden_dim=8", "num_layers=2", recurrence="autodiff")
     want_loss, want_grads = loss_and_grads(base)
@@ -201,6 +202,7 @@ def test_remat_lowers_peak_memory_on_a_long_sequence():
     assert temp_bytes(remat=True) < 0.7 * temp_bytes(remat=False)
 
 
+@pytest.mark.slow("long")
 def test_bfloat16_trains_and_stays_finite():
     config = model_config("model=lstm", "hidden_dim=16", "num_layers=2", dtype="bfloat16")
     model = build_model(config, 1)
@@ -226,6 +228,7 @@ def test_bfloat16_trains_and_stays_finite():
     assert all(leaf.dtype == jnp.float32 for leaf in leaves if jnp.issubdtype(leaf.dtype, jnp.floating))
 
 
+@pytest.mark.slow("long")
 def test_dropout_only_in_training_and_driven_by_the_dropout_rng():
     config = model_config("model=gru", "hidden_dim=8", "num_layers=2", dropout=0.5)
     model, plain = build_model(config, 1), build_model(dataclasses.replace(config, dropout=0.0), 1)

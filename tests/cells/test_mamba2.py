@@ -109,6 +109,7 @@ def test_mamba2_with_negative_eigenvalues_matches_numpy(fields, time_scan):
     assert np.max(np.abs(want - numpy_mamba2(x, params, **MAMBA2))) > 0.05 * np.max(np.abs(want))  # the switch matters
 
 
+@pytest.mark.slow("long")
 def test_mamba2_forms_agree_with_negative_eigenvalues():
     params, x = f32(random_params(key_of(MAMBA2_NEG))), f32(inputs())
     weights = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, MAMBA2["hidden_dim"])), jnp.float32)
@@ -146,6 +147,7 @@ def test_mamba2_gradients_match_finite_differences(time_scan, fields):
             assert abs(ad - fd) <= 2e-5 * scale, (time_scan, path, ad, fd, scale)
 
 
+@pytest.mark.slow("long")
 def test_mamba2_forms_agree_values_and_gradients():
     """chunked (chunks of 3 and 2; T=7 ends mid-chunk) against sequential: outputs, every parameter's gradient and x's."""
     params, x = f32(random_params(key_of(MAMBA2))), f32(inputs())

@@ -8,7 +8,7 @@ from conftest import require
 from test_attention_mamba import numpy_mamba
 from test_scripts import load_script
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("extra")
 
 
 @pytest.fixture(scope="module")

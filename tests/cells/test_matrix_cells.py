@@ -117,6 +117,7 @@ def test_switched_forms_equal_the_papers_equations(cell_name, fields, form):
             > 0.05 * np.abs(want).max()
 
 
+@pytest.mark.slow("long")
 def test_one_householder_step_is_gated_deltanet():
     """deltaproduct with num_householder=1 is gated_deltanet, parameter for parameter, bit for bit."""
     product, params, u = make("deltaproduct", num_householder=1)
@@ -128,7 +129,8 @@ def test_one_householder_step_is_gated_deltanet():
                                       np.asarray(jax_layer(gated, form)(params, u)))
 
 
-@pytest.mark.parametrize("cell_name, form", fast_first(sorted(CASES, key=lambda case: case[1] != "chunked"), keep=4))
+@pytest.mark.parametrize("cell_name, form", fast_first(sorted(CASES, key=lambda case: case[1] != "chunked"), keep=4,
+                                                     why="cross-product"))
 def test_every_form_has_the_gradient_of_the_papers_equations(cell_name, form):
     """Directional derivatives in u and in every parameter against central differences of the NumPy loop."""
     cell, params, u = make(cell_name)
@@ -152,7 +154,7 @@ def test_every_form_has_the_gradient_of_the_papers_equations(cell_name, form):
         assert abs(analytic - numeric) <= 1e-4 * scale + 1e-6, (name, analytic, numeric)
 
 
-@pytest.mark.parametrize("cell_name", fast_first(["gated_deltanet", "gla"]))
+@pytest.mark.parametrize("cell_name", fast_first(["gated_deltanet", "gla"], why="cross-product", first_why="long"))
 def test_chunked_equals_sequential_through_a_whole_model(cell_name):
     """Two residual layers of the cell, values and every parameter's gradient (float32, 1e-5 relative)."""
     outputs = {}

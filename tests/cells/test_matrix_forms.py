@@ -154,6 +154,7 @@ def test_chunked_grads_match_recurrent(family):
         assert_close(a, b)
 
 
+@pytest.mark.slow("long")
 def test_strong_gates_do_not_overflow():
     """Gates down to -30 per step with chunk 6 (not a power of two): a chunk's gates sum to about
     -90 and below, where exp(-g) of a naive chunked form overflows float32. Values still match the
@@ -183,7 +184,7 @@ def test_strong_gates_do_not_overflow():
             assert_close(a, b)
 
 
-@pytest.mark.parametrize("length", fast_first(LENGTHS))
+@pytest.mark.parametrize("length", fast_first(LENGTHS, why="cross-product"))
 def test_the_hand_written_backward_of_the_sequential_delta_rule_is_autodiffs(length):
     """`delta_rule_block`'s backward against jax.grad of the same steps: every argument's gradient."""
     _, hand = grads("gated_delta_recurrent", length)

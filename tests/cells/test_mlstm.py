@@ -85,7 +85,7 @@ def grads(form, length=13):
     return args, weights, [np.asarray(x, np.float64) for x in g]
 
 
-@pytest.mark.parametrize("form", ["parallel", "sequential"])
+@pytest.mark.parametrize("form", [pytest.param("parallel", marks=pytest.mark.slow("cross-product")), "sequential"])
 def test_every_form_has_the_chunked_forms_gradients(form):
     for a, b in zip(grads(form)[2], grads("chunked")[2]):
         assert_close(a, b)
@@ -102,7 +102,7 @@ def layer_model(form, length=13):
     return build_model(config, 3, "cpu")
 
 
-@pytest.mark.parametrize("form", fast_first(["chunked", "parallel"]))
+@pytest.mark.parametrize("form", fast_first(["chunked", "parallel"], why="cross-product", first_why="long"))
 def test_layer_forms_agree_through_a_whole_model(form):
     """Two mLSTM blocks, values and every parameter's gradient, against the sequential form (float32, 1e-5)."""
     x = np.random.default_rng(0).normal(size=(2, 13, 5)).astype(np.float32)
@@ -173,7 +173,7 @@ REFERENCES = {  # our form -> (mlstm-kernels module, function, extra keyword arg
 }
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 @pytest.mark.parametrize("reference", list(REFERENCES))
 @pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("strong", [False, True])
@@ -200,7 +200,7 @@ def test_forms_equal_mlstm_kernels(form, reference, strong):
         assert_close(a, e)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 @pytest.mark.parametrize("form", list(FORMS))
 def test_layer_equals_xlstms_mlstm_layer(form):
     """xlstm's `mLSTMLayer` (up-projection, conv, headwise q k v, gates, the cell, its group norm, skip, gate,

@@ -101,7 +101,15 @@ def jitted(name):
     return jax.jit(FORMS[name][0])
 
 
-@pytest.mark.parametrize("name", list(FORMS))
+# The fast tier: each shared implementation once, both forms where they differ (a delta rule with the switch, the
+# gated one, Mamba-2's doubled decay, the product at n_h=2 with negative eigenvalues and at n_h=3 without); the
+# other signs and n_h, in the full tier.
+VALUE_FAST = ("delta_neg_recurrent", "delta_neg_chunked", "gated_delta_neg_chunked", "ssd_doubled_recurrent",
+              "product2_neg_recurrent", "product2_neg_chunked", "product3_pos_chunked")
+
+
+@pytest.mark.parametrize("name", [name if name in VALUE_FAST else pytest.param(
+    name, marks=pytest.mark.slow("cross-product")) for name in FORMS])
 def test_values_match_numpy_loop(name):
     _, reference, kind = FORMS[name]
     for length in LENGTHS:
@@ -130,7 +138,8 @@ def test_grads_match_finite_differences(name):
     assert_grads_match_finite_differences(FORMS[name][1], args, g, functional(args[0].shape[0]), tol=5e-5, directions=1)
 
 
-@pytest.mark.parametrize("family", ["delta_neg", "gated_delta_neg", "ssd_doubled", "product2_neg", "product3_pos"])
+@pytest.mark.parametrize("family", ["delta_neg", "gated_delta_neg", "ssd_doubled", "product2_neg",
+                                    pytest.param("product3_pos", marks=pytest.mark.slow("cross-product"))])
 def test_chunked_grads_match_recurrent(family):
     _, g_rec = grads(f"{family}_recurrent")
     _, g_chunk = grads(f"{family}_chunked")
@@ -138,6 +147,7 @@ def test_chunked_grads_match_recurrent(family):
         assert_close(a, b, tol=2e-5)
 
 
+@pytest.mark.slow("long")
 def test_transitions_near_minus_one_over_long_chunks():
     """Mamba-2's signed decays within 1e-4 of -1 over chunks of 32 and 64 steps (products of up to 64 signed
     gates, signs alternating): the chunked form equals the float64 loop and its gradients the sequential form's."""
@@ -163,6 +173,7 @@ def test_transitions_near_minus_one_over_long_chunks():
             assert_close(a, b, tol=1e-4)
 
 
+@pytest.mark.slow("long")
 def test_doubled_decay_is_exact_near_one_and_finite_at_zero():
     x = jnp.array([-1e-7, -1e-3, -0.5, -0.7, -3.0, -40.0], jnp.float32)
     log_abs, negative = doubled_decay(x)

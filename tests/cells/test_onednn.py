@@ -57,7 +57,7 @@ def numpy_lstm_grads(x, w_xh, b, w_hh, d_hs):
     return dx, dw_xh, db, dw_hh
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_kernel_matches_numpy_values_and_gradients():
     require_kernel()
     rng = np.random.default_rng(0)
@@ -96,7 +96,7 @@ def model_config(*overrides, **fields):
     return dataclasses.replace(compose_config(["model=lstm", *overrides]).model, **fields)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 @pytest.mark.parametrize("inputs", ["float", "token ids"])
 def test_model_with_onednn_equals_the_xla_path(inputs):
     """A 2-layer model (a layer scan after the first layer): loss and every gradient as custom_vjp gives them,
@@ -122,7 +122,7 @@ def test_model_with_onednn_equals_the_xla_path(inputs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_auto_runs_onednn_for_wide_layers_only():
     require_kernel()
     for batch, hidden, wanted in [(onednn.MIN_BATCH, onednn.MIN_HIDDEN, True), (onednn.MIN_BATCH - 1, onednn.MIN_HIDDEN, False),
@@ -165,7 +165,7 @@ def test_the_default_lstm_is_auto_and_bad_choices_name_the_key():
         compose_config(["model=lstm", "model.remat=true"])
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_a_kernel_that_cannot_compile_says_why(monkeypatch, tmp_path):
     """A failed build is a reason, not an exception: the run goes on with the XLA path."""
     prefix = onednn.library_prefix()

@@ -69,8 +69,8 @@ def assert_close(actual, expected, rtol=2e-5):
     np.testing.assert_allclose(actual, expected, rtol=0, atol=rtol * max(np.abs(expected).max(), 1e-30))
 
 
-@pytest.mark.parametrize("length", fast_first(LENGTHS))
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("length", fast_first(LENGTHS, why="cross-product"))
+@pytest.mark.parametrize("form", fast_first(list(FORMS), why="cross-product"))
 def test_forms_match_numpy(form, length):
     args = rwkv_inputs(length)
     assert_close(FORMS[form](*f32(args)), numpy_dplr(*args))
@@ -90,7 +90,7 @@ def grads(form, length=LENGTHS[0], max_iclr=1.0):
     return args, weights, jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*f32(args))
 
 
-@pytest.mark.parametrize("max_iclr", fast_first([1.0, 2.0]))
+@pytest.mark.parametrize("max_iclr", fast_first([1.0, 2.0], why="cross-product", first_why="long"))
 def test_chunked_grads_match_recurrent(max_iclr):
     _, _, g_rec = grads("recurrent", max_iclr=max_iclr)
     _, _, g_chunk = grads("chunked", max_iclr=max_iclr)
@@ -98,12 +98,13 @@ def test_chunked_grads_match_recurrent(max_iclr):
         assert_close(a, b)
 
 
+@pytest.mark.slow("long")
 def test_chunked_grads_match_finite_differences():
     args, weights, g = grads("chunked")
     assert_grads_match_finite_differences(numpy_dplr, args, [np.asarray(x, np.float64) for x in g], weights)
 
 
-@pytest.mark.slow  # the forms agree at chunk 4 in the fast tier; this is the float32 error at the default chunk
+@pytest.mark.slow("long")  # the forms agree at chunk 4 in the fast tier; this is the float32 error at the default chunk
 def test_chunk_64_float32_error():
     """RWKV-7's strongest decay over a whole chunk of 64 (e^-38.8): float32 error as the loop's."""
     args = rwkv_inputs(150, seed=3, d=16, min_log_w=LOG_W_MIN)
@@ -113,7 +114,7 @@ def test_chunk_64_float32_error():
     assert_close(dplr_recurrent(*f32(args), checkpoint_every=64), expected, rtol=1e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_strong_decays_do_not_overflow():
     """Decays far past RWKV-7's (a chunk of 16 decays by up to e^-320): exact ratios, no exp(-g)."""
     args = rwkv_inputs(37, seed=5, min_log_w=-20.0)
@@ -161,8 +162,10 @@ def cell_and_params(hidden=H, heads=HEADS, seed=0, **options):
     return cell, params
 
 
-@pytest.mark.parametrize("allow_neg_eigval", [False, True])
-@pytest.mark.parametrize("time_scan", ["chunked", "sequential"])
+@pytest.mark.parametrize("time_scan, allow_neg_eigval", [
+    # the chunked form against NumPy in the fast tier: test_forms_match_numpy_with_iclr_up_to_2[chunked]
+    pytest.param("chunked", False, marks=pytest.mark.slow("cross-product")),
+    pytest.param("chunked", True, marks=pytest.mark.slow("cross-product")), ("sequential", False), ("sequential", True)])
 def test_layer_matches_numpy(time_scan, allow_neg_eigval):
     cell, params = cell_and_params(decay_rank=3, iclr_rank=2, gate_rank=5, allow_neg_eigval=allow_neg_eigval)
     x = np.random.default_rng(7).normal(size=(11, B, H))
@@ -173,7 +176,7 @@ def test_layer_matches_numpy(time_scan, allow_neg_eigval):
         assert np.abs(np.asarray(out) - numpy_layer(params, x)).max() > 1e-2 * np.abs(np.asarray(out)).max()
 
 
-@pytest.mark.parametrize("time_scan", fast_first(["sequential", "chunked"]))
+@pytest.mark.parametrize("time_scan", fast_first(["sequential", "chunked"], why="cross-product", first_why="long"))
 def test_layer_gradients_are_finite_where_the_input_is_zero(time_scan):
     """Padded steps (data.min_seq_len) feed zeros: kappa = k k_k / |k k_k| must keep a finite gradient there."""
     cell, params = cell_and_params()
@@ -258,7 +261,7 @@ def to_fla(torch, x):
     return torch.tensor(np.ascontiguousarray(np.transpose(x, (1, 2, 0, 3))), dtype=torch.float32, requires_grad=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 @pytest.mark.parametrize("length, max_iclr", [(16, 1.0), (37, 1.0), (37, 2.0)])
 @pytest.mark.parametrize("reference, form", [("dplr_recurrence", "recurrent"), ("dplr_chunkwise", "chunked")])
 def test_forms_match_fla(torch, dplr_naive, reference, form, length, max_iclr):
@@ -323,7 +326,7 @@ def fla_rwkv7_attention(torch, p, x, heads, layer_idx=0):
     return F.linear(o, p["W_o"].T)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_layer_matches_fla(torch):
     require("fla")
     cell, params = cell_and_params(hidden=16, heads=2, decay_rank=3, iclr_rank=4, gate_rank=5)
@@ -335,7 +338,7 @@ def test_layer_matches_fla(torch):
     assert_close(ours, np.swapaxes(theirs.detach().numpy(), 0, 1), rtol=2e-5)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_channel_mix_matches_fla(torch):
     require("fla")
     from fla.ops.rwkv7.channel_mixing import channel_mixing_rwkv7_torch

@@ -105,6 +105,7 @@ def test_the_scan_is_the_papers_recurrence():
     assert np.all(np.asarray(ns) >= 1 - 1e-6)  # the denominator never falls below 1
 
 
+@pytest.mark.slow("long")
 def test_the_hand_written_backward_is_autodiff():
     u, b, w, cot = random_inputs(1, scale=3.0)
 
@@ -133,6 +134,7 @@ def test_the_layer_is_conv_gates_recurrence_and_group_norm():
     close(got, numpy_layer(np.asarray(x, np.float64), np.asarray(x @ w_xh, np.float64), as_np, K, CELL.conv_size))
 
 
+@pytest.mark.slow("long")
 def test_the_layers_gradients_agree_between_custom_vjp_and_autodiff():
     params, x, w_xh = layer_params(3)
     cot = jax.random.normal(jax.random.key(4), (T, B, H))
@@ -165,7 +167,7 @@ def to_reference(u, b, w):
     return x, b.reshape(K, 4, D).transpose(1, 0, 2).reshape(4 * H), w.transpose(0, 2, 1)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_the_cell_is_xlstms_vanilla_slstm(scale):
     torch = require("torch")
@@ -190,7 +192,7 @@ def test_the_cell_is_xlstms_vanilla_slstm(scale):
             close(got, want.grad.numpy())
 
 
-@pytest.mark.slow
+@pytest.mark.slow("extra")
 def test_the_layer_is_xlstms_slstm_layer():
     torch = require("torch")
     layer_module = require("xlstm.blocks.slstm.layer")

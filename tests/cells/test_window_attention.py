@@ -53,6 +53,7 @@ def test_window_gradients_match_finite_differences(window, time_scan):
         assert abs(ad - fd) <= 2e-5 * np.linalg.norm(grad) * np.linalg.norm(direction), (path, ad, fd)
 
 
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("window", [2, 4])
 def test_window_forms_agree_values_and_gradients(window):
     """blockwise (blocks of 3, 2 and 1) against parallel, every parameter's gradient and x's."""
@@ -124,6 +125,7 @@ def test_blockwise_work_is_linear_in_length_at_a_fixed_window_and_about_half_the
     assert flops[512, 0] == 8 * 9 // 2 * pair and flops[1024, 0] == 16 * 17 // 2 * pair
 
 
+@pytest.mark.slow("long")
 def test_blockwise_compiled_memory_is_linear_in_length_at_a_fixed_window():
     """XLA's temp bytes of forward and backward at T=512 and 1024 (blocks of 64, window 64): about twice,
     not four times (measured 442656 and 852256 bytes: 1.93)."""

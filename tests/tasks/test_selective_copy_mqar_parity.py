@@ -169,7 +169,8 @@ def test_parity_variable_lengths():
 VARIABLE = [SelectiveCopyTask(12, num_tokens=3, vocab_size=5), MQARTask(20, vocab_size=12, num_pairs=3), ParityTask(9)]
 
 
-@pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]]), ids=lambda t: t.name)
+@pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]], why="cross-product",
+                                            first_why="long"), ids=lambda t: t.name)
 def test_a_padded_example_is_the_shorter_example_then_padding(task):
     key = jax.random.key(7)
     for length in (task.min_seq_len, task.seq_len - 1, task.seq_len):
@@ -182,7 +183,8 @@ def test_a_padded_example_is_the_shorter_example_then_padding(task):
         assert (np.asarray(inputs[n:]) == task.padding_id).all() and (np.asarray(targets[n:]) == IGNORE).all()
 
 
-@pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]]), ids=lambda t: t.name)
+@pytest.mark.parametrize("task", fast_first([VARIABLE[1], VARIABLE[0], VARIABLE[2]], why="cross-product",
+                                            first_why="long"), ids=lambda t: t.name)
 def test_padding_never_changes_a_result(task):
     """A batch of padded examples scores what each example scores unpadded, through a real (causal) model."""
     config = tiny_config("model=gru", "num_layers=1")
@@ -272,7 +274,7 @@ def test_a_resume_refuses_an_option_that_changes_the_widths_and_accepts_the_othe
     assert resume_changes(old, saved, []) == {}  # a record from before these keys existed
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_resuming_with_another_vocabulary_is_refused_before_compiling(tmp_path):
     from rnnlab.trainer import train_and_evaluate
 
@@ -285,7 +287,7 @@ def test_resuming_with_another_vocabulary_is_refused_before_compiling(tmp_path):
         train_and_evaluate(changed, tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("long")
 def test_parity_is_learnt_by_a_small_gru(tmp_path):
     from rnnlab.trainer import train_and_evaluate
 

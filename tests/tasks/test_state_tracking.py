@@ -85,7 +85,7 @@ def test_the_multiplication_table_is_the_references(group):
     assert WordProblemTask(4, group=group).order == len(elements)
 
 
-@pytest.mark.parametrize("group", fast_first(["s5", "s3", "a4_x_z5"]))
+@pytest.mark.parametrize("group", fast_first(["s5", "s3", "a4_x_z5"], why="cross-product"))
 def test_word_problem_targets_are_the_prefix_products(group):
     task = WordProblemTask(seq_len=12, group=group)
     sample = jax.jit(task.sample_padded)
@@ -135,7 +135,7 @@ def decode(task, ids):
     return " ".join({task.modulus: "+", task.modulus + 1: "-", task.modulus + 2: "*"}.get(int(i), str(int(i))) for i in ids)
 
 
-@pytest.mark.parametrize("seq_len,modulus", fast_first([(16, 5), (9, 7), (21, 2)]))
+@pytest.mark.parametrize("seq_len,modulus", fast_first([(16, 5), (9, 7), (21, 2)], why="cross-product"))
 def test_modular_arithmetic_targets_are_pythons_value(seq_len, modulus):
     task = ModularArithmeticTask(seq_len=seq_len, modulus=modulus)
     assert task.total_len == seq_len - 1 + seq_len % 2
@@ -229,6 +229,7 @@ def test_the_baseline_approaches_ln_modulus_and_matches_a_sampled_estimate():
 VARIABLE = [WordProblemTask(9, group="a5"), ModularArithmeticTask(10, modulus=5)]
 
 
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("task", VARIABLE, ids=lambda t: t.name)
 def test_a_padded_example_is_the_shorter_example_then_padding(task):
     key = jax.random.key(3)
@@ -242,7 +243,7 @@ def test_a_padded_example_is_the_shorter_example_then_padding(task):
         assert (np.asarray(inputs[n:]) == task.padding_id).all() and (np.asarray(targets[n:]) == IGNORE).all()
 
 
-@pytest.mark.parametrize("task", fast_first(VARIABLE), ids=lambda t: t.name)
+@pytest.mark.parametrize("task", fast_first(VARIABLE, why="cross-product", first_why="long"), ids=lambda t: t.name)
 def test_padding_never_changes_a_result(task):
     """A batch of padded examples scores what each example scores unpadded, through a real (causal) model."""
     model = build_model(tiny_config("model=gru", "num_layers=1").model, task.output_dim, "cpu", task.input_dim)
@@ -261,6 +262,7 @@ def test_padding_never_changes_a_result(task):
         np.testing.assert_allclose(metrics[name], np.mean([u[1][name] for u in unpadded]), rtol=1e-6)
 
 
+@pytest.mark.slow("long")
 def test_variable_lengths_cover_the_range():
     _, targets = draw(WordProblemTask(10, group="s3"), n=2000, min_len=2)
     lengths = (targets != IGNORE).sum(1)
@@ -320,7 +322,8 @@ def test_bad_keys_exit_2_with_one_line_naming_the_key(overrides, message):
 
 # End to end: the debug=fast run train.py composes, in process (fast) and as `python train.py` (full tier).
 
-@pytest.mark.parametrize("data", fast_first([(["data=word_problem", "data.group=s3"],), (["data=modular_arithmetic"],)]),
+@pytest.mark.parametrize("data", fast_first([(["data=word_problem", "data.group=s3"],), (["data=modular_arithmetic"],)],
+                                            why="cross-product", first_why="long"),
                          ids=lambda d: d[0])
 def test_debug_fast_trains_and_evaluates(data, tmp_path):
     from rnnlab.trainer import train_and_evaluate
@@ -334,7 +337,7 @@ def test_debug_fast_trains_and_evaluates(data, tmp_path):
     assert set(results["eval_by_len"]["24"]) == {"loss", *task.metric_names}
 
 
-@pytest.mark.slow
+@pytest.mark.slow("end-to-end")
 @pytest.mark.parametrize("data", [["data=word_problem", "data.group=s3"], ["data=modular_arithmetic"]], ids=lambda d: d[0])
 def test_train_py_debug_fast(data, tmp_path):
     proc = run_train([*data, "debug=fast", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path)

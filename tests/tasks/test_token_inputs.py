@@ -83,7 +83,7 @@ PAIRS = sorted([(t, h) for t in TOKEN_TASKS for h in MODELS],
                key=lambda pair: (pair[0] != next(iter(TOKEN_TASKS)), pair != ("mqar", next(iter(MODELS)))))
 
 
-@pytest.mark.parametrize("task, how", fast_first(PAIRS, keep=len(MODELS) + 1))
+@pytest.mark.parametrize("task, how", fast_first(PAIRS, keep=len(MODELS) + 1, why="cross-product", first_why="long"))
 def test_ids_give_the_results_of_their_one_hot(task, how, monkeypatch):
     overrides, fold = MODELS[how]
     ids, one_hot = outputs_and_gradients(task, overrides, fold, monkeypatch)
@@ -91,7 +91,7 @@ def test_ids_give_the_results_of_their_one_hot(task, how, monkeypatch):
     assert_close(ids[1], one_hot[1], rtol=1e-5)
 
 
-@pytest.mark.parametrize("path", fast_first(list(PATHS)))
+@pytest.mark.parametrize("path", fast_first(list(PATHS), why="cross-product"))
 def test_every_input_term_path_gives_the_results_of_the_one_hot(path, monkeypatch):
     overrides, fold = PATHS[path]
     ids, one_hot = outputs_and_gradients("mqar", overrides, fold, monkeypatch)
@@ -161,7 +161,7 @@ def compiled_step_text(config, task):
     return jax.jit(mapped).lower(state).compile().as_text()
 
 
-@pytest.mark.slow  # compiles a wide embedding step; the fast tier keeps the id-vs-one-hot equalities
+@pytest.mark.slow("long")  # compiles a wide embedding step; the fast tier keeps the id-vs-one-hot equalities
 def test_an_8192_symbol_mqar_trains_with_no_one_hot_in_its_step(tmp_path, monkeypatch):
     overrides = ["data=mqar", "data.vocab_size=8192", "data.num_pairs=2", "data.seq_len=8", "hidden_dim=8",
                  "num_layers=1", "model=gru", "checkpoint.enabled=false", "device.steps_per_dispatch=1"]

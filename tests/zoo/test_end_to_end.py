@@ -16,7 +16,7 @@ import pytest
 from rnnlab.zoo import records, runner
 from rnnlab.zoo.protocol import Setting, Table
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("end-to-end")
 ROOT = Path(__file__).resolve().parents[2]
 # The edge rule's bound is the grid itself here: which lr wins after 60 steps is not this test's business (the rule's
 # own tests use a stand-in train.py), so every run is the same 3 jobs.

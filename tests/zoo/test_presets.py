@@ -25,6 +25,7 @@ def swept_models(zoo):
     return preset["hydra"]["sweeper"]["params"]["model"].split(",")
 
 
+@pytest.mark.slow("long")
 @pytest.mark.parametrize("zoo", ZOOS)
 def test_a_zoo_sweeps_every_cell_with_the_block_it_needs(zoo):
     assert sorted(swept_models(zoo)) == PACKAGE_CELLS
@@ -79,8 +80,9 @@ def check_task(config, choice):
         assert config.data.seq_len % 2 and all(n % 2 for n in lengths)
 
 
-@pytest.mark.parametrize("cells", [pytest.param(("rnn", "mamba", "deltaproduct", "attention"), id="four-families"),
-                                   pytest.param(None, id="every-cell", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cells", [pytest.param(("rnn", "mamba", "deltaproduct", "attention"), id="four-families",
+                                                marks=pytest.mark.slow("long")),
+                                   pytest.param(None, id="every-cell", marks=pytest.mark.slow("cross-product"))])
 def test_the_state_tracking_zoo_composes_every_job_of_its_sweep(cells):
     params = st_params()
     assert sorted(params["model"].split(",")) == PACKAGE_CELLS == sorted(swept_models("zoo_parity"))
@@ -97,6 +99,7 @@ def test_the_state_tracking_zoo_composes_every_job_of_its_sweep(cells):
         check_task(compose_config([f"experiment={ST}", f"state_tracking={choice}", "model=deltaproduct"]), choice)
 
 
+@pytest.mark.slow("long")
 def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
     """The header's switch-on and n_h commands: the command line's model list replaces the preset's, the switches
     reach every job's config, and each sweep lands in a subdir of multirun/zoo_state_tracking."""
@@ -207,8 +210,9 @@ def test_state_floats_is_the_carry_of_the_time_scan(cell):
     assert time_scan_carry_floats(cell, 8, fields, batch=3, steps=steps) == expected
 
 
-@pytest.mark.parametrize("zoo", ["zoo_parity", "zoo_selective_copy", "zoo_mqar", "zoo_parity_paper",
-                                 "zoo_selective_copy_paper", "zoo_mqar_paper"])
+@pytest.mark.parametrize("zoo", ["zoo_parity", "zoo_selective_copy", *(
+    pytest.param(zoo, marks=pytest.mark.slow("cross-product"))
+    for zoo in ("zoo_mqar", "zoo_parity_paper", "zoo_selective_copy_paper", "zoo_mqar_paper"))])
 def test_every_swept_value_of_a_zoo_composes(zoo):
     """Each value of the sweep's task and width keys (pairs, hidden sizes) is a valid config, with the
     slowest-to-check cell (attention: heads must divide the width) and a vector-state one."""

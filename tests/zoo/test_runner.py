@@ -187,6 +187,7 @@ def test_the_time_left_is_predicted_from_the_records_own_times_as_the_plan_predi
     assert exit_code == 0 and lines[0] == "[3/10] 0 running, 7 left, 0 failed, about 12 min left"
 
 
+@pytest.mark.slow("end-to-end")
 def test_a_deadline_stops_jobs_with_sigterm_and_the_next_run_resumes(tmp_path, code, monkeypatch):
     monkeypatch.setenv("FAKE_SECONDS", "30")
     table = tiny_table(("gru",))
@@ -230,6 +231,7 @@ def test_before_a_deadline_only_jobs_predicted_to_end_in_time_start(tmp_path, co
     assert runner.split_by_deadline(ledger, [table], units, 499.0 * runner.DEADLINE_MARGIN) == ([], units)
 
 
+@pytest.mark.slow("end-to-end")
 def test_sigterm_to_the_runner_stops_its_jobs_as_a_deadline_does(tmp_path, code, monkeypatch):
     """A runner killed politely (a scheduler's SIGTERM, Ctrl-C) leaves no job running unseen: they save, and the
     next run resumes them."""
@@ -429,6 +431,7 @@ def test_the_core_suite_is_every_cell_on_four_tables_with_the_fixed_protocols():
     assert sum(len(t.settings) * t.jobs_per_setting() for t in tables) == 476
 
 
+@pytest.mark.slow("long")
 def test_every_table_s_job_composes_with_the_preset_it_names():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import train

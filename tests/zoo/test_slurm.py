@@ -17,7 +17,7 @@ import pytest
 from conftest import ROOT, assert_same_tree, saved_state, train_env
 from slurm_cluster import Cluster, ClusterError, missing
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow("cluster")
 
 
 @pytest.fixture(scope="module")
