@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import compose_config, fast_first
+from conftest import ROOT, compose_config, fast_first
 from rnnlab import cells
 from rnnlab.models import build_model, initial_state
 
@@ -43,15 +43,25 @@ def cell_forms():
     (test_the_auto_cases_left_out_are_their_forms_cases)."""
     cases = []
     for model in group_options("model"):
-        m = compose_config([f"model={model}"]).model
-        cell = cells.get_cell(m.cell)(1)
-        forms = list(dict.fromkeys(f for f in (m.time_scan, *cell.time_scans) if cell.carries_state(f)))
+        cell_name, time_scan = yaml_cell_and_form(model)
+        cell = cells.get_cell(cell_name)(1)
+        forms = list(dict.fromkeys(f for f in (time_scan, *cell.time_scans) if cell.carries_state(f)))
         for i, form in enumerate(forms):
             if form == "auto" and len(resolved := auto_resolves_to(cell)) == 1 and resolved <= set(forms):
                 continue
             marks = () if (model, form) in FAST_CASES else pytest.mark.slow("cross-product")
             cases.append(pytest.param(model, form, id=f"{model}-{form}", marks=marks))
     return cases
+
+
+def yaml_cell_and_form(model):
+    """conf/model/<model>.yaml's own `cell` and `time_scan` (None where it sets none), read without composing: each
+    process collects this module, and Hydra's 18 compositions made a third of the suite's collection time.
+    test_the_auto_cases_left_out_are_their_forms_cases holds them to the composed configs."""
+    import yaml
+
+    own = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
+    return own["cell"], own.get("time_scan")
 
 
 SMALL = {"model.chunk_size": 4, "model.block_size": 4}  # several chunks and blocks within a segment
@@ -109,6 +119,10 @@ def test_the_auto_cases_left_out_are_their_forms_cases():
     `auto` resolves to (tests/cells/test_auto_form.py, without a state); here, one segment with a state carried."""
     ids = {case.id for case in cell_forms()}
     yamls = {model: compose_config([f"model={model}"]).model for model in group_options("model")}
+    for model, m in yamls.items():  # what cell_forms reads from the yaml files is what Hydra composes
+        cell_name, time_scan = yaml_cell_and_form(model)
+        assert cell_name == m.cell and time_scan in (m.time_scan, None), model
+        assert time_scan == m.time_scan or m.time_scan in cells.get_cell(m.cell)(1).time_scans, model
     left_out = {model for model, m in yamls.items() if m.time_scan == "auto" and f"{model}-auto" not in ids}
     assert left_out == set(AUTO_IS)
     for model, form in AUTO_IS.items():
