@@ -407,7 +407,7 @@ def run_cli() -> None:
                 fail(f"sweep interrupted; resume it with: {resume_command(sys.argv[1:])}", code)
             raise
     except JobFailed as e:  # a sweep job failed (the basic sweeper re-raises the first, after all its jobs ran)
-        fail(f"sweep {e}; the other jobs ran (`python scripts/summarize.py <sweep dir>` shows each status)",
+        fail(f"sweep {e}; the other jobs ran (`python -m rnnlab.summarize <sweep dir>` shows each status)",
              e.exit_code)
     except HydraException as e:  # unknown key or config option, malformed override
         fail(hydra_error_line(e, sys.argv[1:]), EXIT_BAD_INPUT)

@@ -224,12 +224,6 @@ class LogConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ZooConfig:
-    # seeds per cell and learning rate in the experiment=zoo_* sweeps (their `seed: range(...)`)
-    seeds: int = allowed(**POSITIVE)
-
-
-@dataclasses.dataclass(frozen=True)
 class Config:
     imports: tuple[str, ...]  # modules imported first: extensions that register cells and tasks
     seed: int = allowed(low=0, high=SEED_LIMIT - 1,
@@ -250,7 +244,6 @@ class Config:
     checkpoint: CheckpointConfig
     profile: ProfileConfig
     log: LogConfig
-    zoo: ZooConfig
     # An evaluated length whose time, predicted from the speed of its first segments (`data.eval_segment_len`), is
     # longer is refused (exit 2) with the checkpoint of its step saved; None: no limit. A default: a config from
     # before the key existed reads as today's.

@@ -35,6 +35,7 @@ DEVICES_USED_KEY = "device.num_devices_used"  # the device count a run dir train
 DISPATCH_USED_KEY = "device.steps_per_dispatch_used"  # recorded only
 FREE_KEYS = ("imports", "log_every", "eval_every", "eval_batches", "eval_max_minutes", "data.eval_seq_lens", "data.eval_segment_len",
              "device.num_devices", "device.steps_per_dispatch", "device.compile_cache", DISPATCH_USED_KEY, *WIDTH_KEYS)  # the widths: checked apart
+# `zoo.`: a group removed from the config (issue 88), still in the records of older run dirs: they resume.
 FREE_GROUPS = ("checkpoint.", "profile.", "distributed.", "log.", "zoo.")
 # Also free: a task's own options that change only its evaluation (`Task.eval_options`: data=text's
 # data.eval_streams), found through the task registry (`is_free`).

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lrs", nargs="+", default=["3e-4", "1e-3", "3e-3", "1e-2"])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--num-pairs", type=int, default=8, help="zoo_mqar's data.num_pairs (its sweep fixed to one)")
+    parser.add_argument("--num-pairs", type=int, default=8, help="zoo_mqar's data.num_pairs")
     parser.add_argument("--launchers", nargs="+", default=list(LAUNCHERS), choices=LAUNCHERS)
     parser.add_argument("--set", nargs="*", default=[], help="more overrides for every sweep")
     parser.add_argument("--toy", action="store_true", help="tiny sizes: checks the script in seconds")

@@ -2,9 +2,8 @@
 so SIGTERM and Ctrl-C end it within seconds, between chunks and between lengths (exit 75, the checkpoint of its
 step and results.json written; a rerun evaluates again; a second Ctrl-C aborts, exit 130). A length beyond reason
 is refused with one line naming the key: past 10^8 steps when the config is read, past `eval_max_minutes` once its
-first segments' speed predicts its time. scripts/eval_long.py does the same with its options."""
+first segments' speed predicts its time. `python -m rnnlab.eval_long` does the same with its options."""
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -17,7 +16,7 @@ import pytest
 
 from conftest import ROOT, TINY, compose_config, tiny_config, train_env
 from rnnlab import config as cfg
-from rnnlab import loop, steps, tasks
+from rnnlab import eval_long, loop, steps, tasks
 from rnnlab.checkpoint import PreemptionGuard, saved_steps
 from rnnlab.models import build_model
 from rnnlab.trainer import train_and_evaluate
@@ -192,17 +191,10 @@ def test_an_eval_refused_at_run_time_keeps_its_checkpoint_and_says_why(tmp_path,
     assert saved_steps(tmp_path / "checkpoints") == {4}
 
 
-# scripts/eval_long.py: every option's bad value exits 2 with one line naming it and what is allowed.
-
-def load_eval_long():
-    spec = importlib.util.spec_from_file_location("eval_long", ROOT / "scripts" / "eval_long.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+# rnnlab.eval_long: every option's bad value exits 2 with one line naming it and what is allowed.
 
 def trained_run(run, *overrides, train=True):
-    """A tiny run of `overrides` with a checkpoint, trained in `run` as train.py would, for scripts/eval_long.py.
+    """A tiny run of `overrides` with a checkpoint, trained in `run` as train.py would, for rnnlab.eval_long.
     With train=False only what eval_long reads before it restores anything: the composed config and a step's
     folder under checkpoints/ (its refusals of options and of runs come before any restore)."""
     from omegaconf import OmegaConf
@@ -219,7 +211,7 @@ def trained_run(run, *overrides, train=True):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny parity run with a checkpoint, for scripts/eval_long.py."""
+    """A tiny parity run with a checkpoint, for rnnlab.eval_long."""
     return trained_run(tmp_path_factory.mktemp("trained") / "run", "data=parity", "model=gru")
 
 
@@ -248,13 +240,12 @@ BAD_OPTIONS = [
 @pytest.mark.parametrize("args,message", BAD_OPTIONS, ids=[" ".join(a) for a, _ in BAD_OPTIONS])
 def test_eval_long_refuses_a_bad_option_in_one_line(untrained, capsys, args, message):
     with pytest.raises(SystemExit) as info:
-        load_eval_long().parser().parse_args([str(untrained), *args])
+        eval_long.parser().parse_args([str(untrained), *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("eval_long: error: ") and message in err
 
 
 def test_eval_long_refuses_a_missing_run_dir_and_a_metric_its_task_lacks(untrained, tmp_path, capsys):
-    eval_long = load_eval_long()
     with pytest.raises(SystemExit) as info:
         eval_long.parser().parse_args([str(tmp_path / "missing"), "--lengths", "10"])
     err = capsys.readouterr().err
@@ -272,14 +263,14 @@ def test_eval_long_refuses_a_text_run_in_one_line_naming_what_evaluates_it(tmp_p
 
     run = trained_run(tmp_path / "run", *TEXT_FIXTURE_DATA, "model=lstm", "num_layers=1", "batch_size=4",
                       "data.seq_len=8", "data.eval_streams=2", train=False)
-    assert load_eval_long().main([str(run), "--lengths", "1000"]) == 2
+    assert eval_long.main([str(run), "--lengths", "1000"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, err
     assert err.startswith(f"eval_long: error: argument RUN_DIR: {run} trained data=text, which has no lengths")
     assert "data.eval_streams" in err and "allowed: " in err and "move them away" not in err
 
 
-# End to end: train.py and eval_long.py signalled during a long evaluation.
+# End to end: train.py and rnnlab.eval_long signalled during a long evaluation.
 
 LONG = [*[o for o in TINY if not o.startswith(("steps", "eval_every", "checkpoint"))], "data=parity", "model=gru",
         "steps=4", "eval_every=4", "checkpoint.every=4", "data.eval_segment_len=16", "data.eval_seq_lens=[100000000]"]
@@ -364,7 +355,7 @@ def test_train_py_refuses_an_eval_beyond_reason_in_one_line(tmp_path):
 
 @pytest.mark.slow("end-to-end")
 def test_eval_long_predicts_refuses_and_stops_within_seconds(trained, tmp_path):
-    script = [sys.executable, str(ROOT / "scripts" / "eval_long.py"), str(trained), "--segment", "16", "--sequences", "8"]
+    script = [sys.executable, "-m", "rnnlab.eval_long", str(trained), "--segment", "16", "--sequences", "8"]
     proc = subprocess.run([*script, "--lengths", "0"], env=train_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr == ("eval_long: error: argument --lengths: got 0, allowed: a whole "
                                                     "number from 1 to 100,000,000 steps (10^8 steps take hours even "

@@ -213,7 +213,7 @@ def test_the_fuzzer_covers_every_cells_and_tasks_own_keys():
         assert all(f"model.{f}" in keys for f in own), (name, own)
     for name in tasks.task_names():
         assert all(f"data.{f}" in keys for f in tasks.option_fields(tasks.get_task(name))), name
-    assert {"seed", "steps", "optimizer.lr", "device.num_devices", "checkpoint.every", "zoo.seeds"} <= keys
+    assert {"seed", "steps", "optimizer.lr", "device.num_devices", "checkpoint.every", "log.histograms_every"} <= keys
 
 
 BOUNDED_VALUES = ["steps=2", "eval_batches=1"]

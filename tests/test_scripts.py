@@ -1,4 +1,5 @@
-"""scripts/peak_flops.py and scripts/benchmark.py run and write what they say, on tiny shapes."""
+"""scripts/peak_flops.py and scripts/benchmark.py run and write what they say, on tiny shapes; the package's tools
+(`python -m rnnlab.eval_long`, ...) and the scripts that wrap them answer alike."""
 
 import importlib.util
 import json
@@ -212,9 +213,24 @@ def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     assert sum(line.startswith("| ") for line in proc.stdout.splitlines()) == len(rows) + 1  # the header and the rows
 
 
+def test_the_package_tools_and_their_script_wrappers_answer_help_alike():
+    """`python -m rnnlab.eval_long` and `python scripts/eval_long.py` are one program (the script a wrapper kept so
+    that existing commands work): the same --help, exit 0; the other wrappers, sample's and summarize's, run theirs."""
+    def run(*args):
+        return subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, env=train_env(), capture_output=True,
+                              text=True, timeout=120)
+
+    module, script = run("-m", "rnnlab.eval_long"), run(str(ROOT / "scripts" / "eval_long.py"))
+    assert module.returncode == script.returncode == 0, module.stderr[-2000:] + script.stderr[-2000:]
+    assert module.stdout == script.stdout and module.stdout.startswith("usage: eval_long ")
+    for name in ("sample", "summarize"):
+        wrapper = run(str(ROOT / "scripts" / f"{name}.py"))
+        assert wrapper.returncode == 0 and wrapper.stdout.startswith(f"usage: {name}.py "), wrapper.stderr[-2000:]
+
+
 @pytest.mark.slow("end-to-end")  # the segmented evaluation itself: tests/test_eval_segments.py
 def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
-    """scripts/eval_long.py restores a run's newest checkpoint and evaluates it in segments: at a length the run
+    """rnnlab.eval_long restores a run's newest checkpoint and evaluates it in segments: at a length the run
     evaluated whole, on the same examples (its eval batch), it scores what the run's results.json says."""
     from conftest import TINY, run_train
 
@@ -223,7 +239,7 @@ def test_eval_long_scores_a_trained_run_as_its_own_eval_did(tmp_path):
                       "steps=6", "eval_every=6", "checkpoint.every=6", f"hydra.run.dir={run}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "long.csv"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_long.py"), str(run), "--lengths", "40", "1000",
+    proc = subprocess.run([sys.executable, "-m", "rnnlab.eval_long", str(run), "--lengths", "40", "1000",
                            "--segment", "16", "--sequences", "8", "--out", str(out)],
                           capture_output=True, text=True, env=train_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

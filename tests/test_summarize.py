@@ -1,4 +1,4 @@
-"""scripts/summarize.py on hand-made sweep dirs: the figures a reader trusts (distinct colours,
+"""rnnlab.summarize on hand-made sweep dirs: the figures a reader trusts (distinct colours,
 titles and labels, ticks at the swept values, unjoined categories, sweep names in legends), and
 the files it writes. No training: each job is a few small files. (The zoo's tables are
 `python -m rnnlab.zoo`'s.)"""
@@ -11,13 +11,13 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, require
+from conftest import require
+
 
 @pytest.fixture
-def scripts(monkeypatch):
-    """scripts/summarize.py as a module; the figures a test drew are closed after it."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import summarize
+def summarizer():
+    """rnnlab.summarize; the figures a test drew are closed after it."""
+    from rnnlab import summarize
 
     yield summarize
     if "matplotlib.pyplot" in sys.modules:
@@ -57,8 +57,8 @@ GRID = [{"model": m, "hidden_dim": h} for m in ("rnn", "lstm") for h in (32, 64)
 
 
 def figure_of(summarize, root, draw, *args):
-    """summary_plots.<draw>(Sweep(root), *args, plt): the figure summarize.py would save."""
-    import summary_plots
+    """summary_plots.<draw>(Sweep(root), *args, plt): the figure summarize would save."""
+    from rnnlab import summary_plots
 
     return getattr(summary_plots, draw)(summarize.Sweep(root), *args, summary_plots.pyplot())
 
@@ -88,9 +88,9 @@ def tick_labels(ax):
     return [t.get_text() for t in ax.get_xticklabels()]
 
 
-def test_numeric_sweep_has_ticks_at_the_swept_values_and_joined_lines(tmp_path, scripts):
+def test_numeric_sweep_has_ticks_at_the_swept_values_and_joined_lines(tmp_path, summarizer):
     require("matplotlib")
-    fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "param_figure", "hidden_dim")
+    fig = figure_of(summarizer, make_sweep(tmp_path / "s", GRID), "param_figure", "hidden_dim")
     check_labelled(fig)
     for ax in fig.axes:
         assert list(ax.get_xticks()) == [32, 64] and tick_labels(ax) == ["32", "64"]
@@ -100,18 +100,18 @@ def test_numeric_sweep_has_ticks_at_the_swept_values_and_joined_lines(tmp_path, 
         "model=lstm", "model=rnn", "trivial baseline"]
 
 
-def test_log_spaced_sweep_has_only_the_swept_ticks(tmp_path, scripts):
+def test_log_spaced_sweep_has_only_the_swept_ticks(tmp_path, summarizer):
     require("matplotlib")
     root = make_sweep(tmp_path / "s", [{"optimizer.lr": v} for v in ("0.0001", "0.001", "0.01")])
-    fig = figure_of(scripts, root, "param_figure", "optimizer.lr")
+    fig = figure_of(summarizer, root, "param_figure", "optimizer.lr")
     for ax in fig.axes:
         assert ax.get_xscale() == "log"
         assert tick_labels(ax) == ["0.0001", "0.001", "0.01"] and len(ax.xaxis.get_minorticklocs()) == 0
 
 
-def test_categorical_sweep_has_category_ticks_and_unjoined_points(tmp_path, scripts):
+def test_categorical_sweep_has_category_ticks_and_unjoined_points(tmp_path, summarizer):
     require("matplotlib")
-    fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "param_figure", "model")
+    fig = figure_of(summarizer, make_sweep(tmp_path / "s", GRID), "param_figure", "model")
     check_labelled(fig)
     for ax in fig.axes:
         assert tick_labels(ax) == ["lstm", "rnn"] and list(ax.get_xticks()) == [0, 1]
@@ -121,10 +121,10 @@ def test_categorical_sweep_has_category_ticks_and_unjoined_points(tmp_path, scri
     assert len(set(xs)) == 4 and {round(x) for x in xs} == {0, 1}  # beside their category, none hidden
 
 
-def test_loss_curves_have_a_colour_per_job_and_labelled_axes(tmp_path, scripts):
+def test_loss_curves_have_a_colour_per_job_and_labelled_axes(tmp_path, summarizer):
     require("matplotlib")
     require("tensorboard")
-    fig = figure_of(scripts, make_sweep(tmp_path / "s", GRID), "loss_figure")
+    fig = figure_of(summarizer, make_sweep(tmp_path / "s", GRID), "loss_figure")
     check_labelled(fig)
     for ax in fig.axes:
         check_distinct_colours(ax, 4)
@@ -133,20 +133,20 @@ def test_loss_curves_have_a_colour_per_job_and_labelled_axes(tmp_path, scripts):
                       "hidden_dim=64 model=lstm"]
 
 
-def test_legends_name_the_sweep_when_several_are_summarized(tmp_path, scripts):
+def test_legends_name_the_sweep_when_several_are_summarized(tmp_path, summarizer):
     require("matplotlib")
     require("tensorboard")
     for name in ("a", "b"):
         make_sweep(tmp_path / name, [{"hidden_dim": 32}, {"hidden_dim": 64}])
-    fig = figure_of(scripts, tmp_path, "loss_figure")
+    fig = figure_of(summarizer, tmp_path, "loss_figure")
     labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
     assert labels == ["a: hidden_dim=32", "a: hidden_dim=64", "b: hidden_dim=32", "b: hidden_dim=64"]
     check_distinct_colours(fig.axes[0], 4)
-    fig = figure_of(scripts, tmp_path, "param_figure", "hidden_dim")
+    fig = figure_of(summarizer, tmp_path, "param_figure", "hidden_dim")
     assert [t.get_text() for t in fig.axes[1].get_legend().get_texts()] == ["a", "b"]  # a line per sweep
 
 
-def test_main_writes_the_table_and_every_figure(tmp_path, scripts, capsys):
+def test_main_writes_the_table_and_every_figure(tmp_path, summarizer, capsys):
     """A zoo preset's jobs (results.json with eval_by_len) are summarised like any sweep: no zoo table of its own."""
     require("matplotlib")
     require("tensorboard")
@@ -155,7 +155,7 @@ def test_main_writes_the_table_and_every_figure(tmp_path, scripts, capsys):
         return {"eval_by_len": {"32": {"loss": 0.5, "accuracy": 0.9}, "128": {"loss": 0.9, "accuracy": 0.4}}}
 
     root = make_sweep(tmp_path / "s", [{"model": m} for m in ("rnn", "lstm")], results)
-    assert scripts.main([str(root)]) == 0
+    assert summarizer.main([str(root)]) == 0
     table = (root / "summary.md").read_text()
     assert table.strip() in capsys.readouterr().out
     assert table.splitlines()[0].startswith("2 job(s) under") and "common overrides: steps=4" in table

@@ -35,7 +35,7 @@ def results_of(job):
 
 
 def summarize(sweep_dir, *args):
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "summarize.py"), str(sweep_dir), *args],
+    return subprocess.run([sys.executable, "-m", "rnnlab.summarize", str(sweep_dir), *args],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -327,8 +327,7 @@ def test_progress_bar_is_off_without_a_terminal(monkeypatch):
 
 def test_summarize_marks_failed_and_missing_jobs_without_matplotlib(tmp_path, monkeypatch, capsys):
     """A hand-made sweep dir: completed, failed and vanished jobs; the table needs no matplotlib."""
-    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
-    import summarize as summarize_script
+    from rnnlab import summarize as summarize_script
 
     jobs = {
         "0_hidden_dim=8": {"status": "completed", "eval_loss": 0.2, "eval_metrics": {"mse": 0.2},
@@ -360,7 +359,8 @@ def test_a_preset_sweep_has_a_stable_dir_and_a_timestamped_one_is_named_to_resum
 
     now = datetime.datetime(2026, 11, 26, 12, 0, 0)
     assert train.sweep_home(["-m", "experiment=zoo_parity", "hydra/launcher=parallel"], now) == "multirun/zoo_parity"
-    assert train.sweep_home(["experiment=zoo_parity", "zoo.seeds=3"], now) == "multirun/zoo_parity/zoo.seeds=3"
+    assert train.sweep_home(["-m", "experiment=zoo_parity", "model=gru,lstm", "optimizer.lr=1e-3,3e-3"], now) == \
+        "multirun/zoo_parity/model=gru,lstm,optimizer.lr=1e-3,3e-3"
     assert train.sweep_home(["-m", "hidden_dim=8,16"], now) == "multirun/2026-11-26/12-00-00"
     assert train.sweep_home(["-m", "experiment=adding_grid", "hparams_search=adding_optuna"], now).startswith("multirun/2026")
     long = train.sweep_home(["experiment=zoo_mqar", *[f"+k{i}=v" for i in range(40)]], now)

@@ -19,9 +19,11 @@ import pytest
 from conftest import ROOT, TEXT_FIXTURE_DATA, assert_same_tree, run_train, saved_state, tiny_config, train_env
 
 from rnnlab import parallel, tasks
+from rnnlab import sample as sample_cli
 from rnnlab.models import build_model, initial_state
 from rnnlab.steps import (CarryTrainState, create_train_state, make_dispatch, make_optimizer, make_stream_evaluator,
                           state_batch_axes, train_metric_names)
+from rnnlab.trained import load_run
 
 BATCH, SEQ_LEN = 4, 16  # stream 3 reaches a document start at step 4
 
@@ -288,15 +290,6 @@ def test_sampling_at_temperature_0_or_top_1_is_greedy_and_a_seed_repeats():
     assert ((0 <= np.asarray(a)) & (np.asarray(a) < 256)).all()
 
 
-def load_sample_py():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sample", ROOT / "scripts" / "sample.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def trained_text_run(run):
     """A tiny data=text run with its checkpoint and the .hydra/config.yaml train.py writes, trained in process."""
     from omegaconf import OmegaConf
@@ -323,15 +316,20 @@ def test_sample_py_bounds_what_it_draws_in_one_line(tmp_path, capsys, args, mess
     (tmp_path / ".hydra").mkdir()
     (tmp_path / ".hydra" / "config.yaml").write_text("{}")
     with pytest.raises(SystemExit) as info:
-        load_sample_py().parser().parse_args([str(tmp_path), *args])
+        sample_cli.parser().parse_args([str(tmp_path), *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("sample: error: " + message), err
 
 
 def test_sample_py_refuses_a_file_or_unreadable_checkpoints_as_run_dir_in_one_line(tmp_path, capsys):
-    sample = load_sample_py()
+    sample = sample_cli  # rnnlab.sample
     run = trained_text_run(tmp_path / "run")
     capsys.readouterr()  # the training's own lines
+    loaded = load_run(run)  # what sample.py samples from: the carried state's train state, bit for bit Orbax's
+    assert isinstance(loaded.state, CarryTrainState) and loaded.step == 2
+    saved = saved_state(run, 2)
+    assert_same_tree(loaded.params, saved["params"])
+    assert_same_tree(loaded.state.carry, saved["carry"])
     with pytest.raises(SystemExit) as info:  # a file is not a run dir
         sample.parser().parse_args([str(run / "results.json")])
     err = capsys.readouterr().err
@@ -353,7 +351,7 @@ def test_sample_py_prints_text_from_a_trained_run_and_refuses_bad_options_in_one
                          "data.seq_len=8", "data.eval_streams=2", "steps=4", "device.num_devices=1",
                          f"hydra.run.dir={run}"], cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
-    script = [sys.executable, str(ROOT / "scripts" / "sample.py"), str(run)]
+    script = [sys.executable, "-m", "rnnlab.sample", str(run)]
     done = subprocess.run([*script, "--prompt", "ROMEO.", "--length", "30", "--temperature", "0.8", "--top-k", "20",
                            "--seed", "1"], env=train_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

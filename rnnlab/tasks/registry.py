@@ -2,7 +2,7 @@
 
 A task is one file: subclass `Task`, decorate it with `@register_task`, and the config's
 choices (`data=<name>`), the minimum `data.seq_len`, the trainer's metrics, TensorBoard
-tags, HParams metrics, results.json and `scripts/summarize.py` all find it by name. Its own
+tags, HParams metrics, results.json and `rnnlab.summarize` all find it by name. Its own
 parameters are dataclass fields with defaults, set from the keys under `data:`
 (`rnnlab.tasks.options`); a task that defines `sample_padded` accepts `data.min_seq_len`.
 

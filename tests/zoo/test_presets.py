@@ -1,8 +1,14 @@
-"""The zoo presets: every job of each sweep composes and validates, and the sweep covers every cell; the presets
-sweep lrs and seeds; and each cell's state-size fact (`Cell.state_floats`, logged as state_floats) is the size of the
-carry its time scan keeps. (The protocol itself, `rnnlab.zoo`, has its own tests.)"""
+"""The zoo presets: each is one job's shape of a table of the protocol (rnnlab/zoo/protocol.py, the one place that
+lists cells, grids and seeds) and sweeps nothing; a preset alone is its table's job but for the lr and the seed, and
+`-m` with lists of one's own sweeps it; the stacks, the state-tracking tasks and the switches compose as named; the
+commands in each preset's header compose; the `zoo` group is an unknown key; and each cell's state-size fact
+(`Cell.state_floats`, logged as state_floats) is the size of the carry its time scan keeps. That every setting of
+every table composes with its preset through `Table.job_overrides`: tests/zoo/test_runner.py
+(`test_every_table_s_job_composes_with_the_preset_it_names`); the protocol's own rule and tables: the rest of
+tests/zoo/."""
 
-import os
+import shlex
+import sys
 from pathlib import Path
 
 import jax
@@ -12,29 +18,134 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import CONF_DIR, compose_config
+from conftest import CONF_DIR, ROOT, compose_config
 from rnnlab.cells import CELLS, SequenceCell, get_cell
+from rnnlab.config import flatten
 from rnnlab.models import RecurrentLayer
+from rnnlab.zoo import protocol
 
-ZOOS = ["zoo_parity", "zoo_selective_copy", "zoo_mqar"]
-PACKAGE_CELLS = sorted(name for name, cls in CELLS.items() if cls.__module__.startswith("rnnlab."))
+PRESETS = sorted(p.stem for p in Path(CONF_DIR, "experiment").glob("zoo_*.yaml"))
+# Presets at their papers' scale, for a GPU: no table of the protocol runs them (their headers say so).
+PAPER_PRESETS = ["zoo_mqar_paper", "zoo_parity_paper", "zoo_selective_copy_paper"]
+# One table of each preset (the first the protocol lists), its budget checks and width tables being the same shape.
+TABLE_OF = {}
+for _table in protocol.TABLES.values():
+    TABLE_OF.setdefault(_table.preset, _table)
 
 
-def swept_models(zoo):
-    preset = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))
-    return preset["hydra"]["sweeper"]["params"]["model"].split(",")
+def train_module():
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    return train
+
+
+def leaves(node, path=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from leaves(value, (*path, str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from leaves(value, (*path, str(i)))
+    else:
+        yield ".".join(path), node
+
+
+def test_no_zoo_preset_sweeps_or_lists_cells_lrs_or_seeds():
+    """The protocol is the one list: a preset holds no hydra.sweeper (nor hydra.mode: without `-m` it is one job),
+    no value Hydra would sweep (`a,b`, `range(..)`, `choice(..)`), no seed and no `zoo` group; and every preset
+    but the papers' is the preset of a protocol table."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    assert set(TABLE_OF) == set(PRESETS) - set(PAPER_PRESETS)
+    for preset in PRESETS:
+        text = Path(CONF_DIR, "experiment", f"{preset}.yaml").read_text()
+        values = yaml.safe_load(text)
+        assert not (values.get("hydra") or {}).get("sweeper") and "mode" not in (values.get("hydra") or {}), preset
+        assert not {"seed", "zoo"} & set(values) and "zoo.seeds" not in text, preset
+        for key, value in leaves({k: v for k, v in values.items() if k != "defaults"}):
+            if isinstance(value, str):
+                assert not parser.parse_override(f"k={value}").is_sweep_override(), (preset, key, value)
+
+
+def test_a_preset_alone_is_one_job_of_its_table_but_for_the_lr_and_the_seed():
+    """`python train.py experiment=<preset> <the table's keys> <cell>` trains the job the protocol would, but for
+    optimizer.lr and seed, which it leaves to the command line (zoo_state_tracking alone trains 2,000 steps, the s3
+    table 4,000: the protocol sets steps)."""
+    for preset, table in TABLE_OF.items():
+        setting = table.settings[0]
+        alone = flatten(compose_config([f"experiment={preset}", *table.overrides, f"{table.cell_key}={setting.cell}",
+                                        *setting.overrides]))
+        job = flatten(compose_config(table.job_overrides(setting, table.lrs[0], 1)))
+        differ = {k for k in alone.keys() | job.keys() if alone.get(k) != job.get(k)}
+        expected = {"optimizer.lr", "seed"} | ({"steps"} if table.key == "s3" else set())
+        assert differ <= expected, (table.key, {k: (alone.get(k), job.get(k)) for k in differ - expected})
+
+
+def test_python_train_py_experiment_zoo_parity_model_gru_is_one_job_and_dash_m_sweeps_your_lists():
+    """Without `-m` a zoo preset is one run (Hydra's RUN mode, nothing in hydra.sweeper.params); with `-m` the jobs are
+    the command line's lists alone (2 cells x 2 lrs), each the preset's shape."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        hydra = compose(config_name="config", overrides=["experiment=zoo_parity", "model=gru"],
+                        return_hydra_config=True).hydra
+    assert hydra.mode in (None, RunMode.RUN) and not hydra.sweeper.get("params")
+    config = compose_config(["experiment=zoo_parity", "model=gru"])
+    assert (config.model.cell, config.steps, config.data.seq_len) == ("gru", 2000, 16)
+    assert train_module().config_exit(["experiment=zoo_parity", "model=gru"]) == (0, "")
+
+    # `-m`: Hydra's basic sweeper crosses the preset's hydra.sweeper.params (none) with the command line's lists
+    sweep = [*(f"{k}={v}" for k, v in (hydra.sweeper.get("params") or {}).items()), "model=gru,lstm",
+             "optimizer.lr=1e-3,3e-3"]
+    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(sweep), None)
+    assert sorted(map(tuple, batch)) == [(f"model={m}", f"optimizer.lr={lr}") for m in ("gru", "lstm")
+                                         for lr in ("0.001", "0.003")]
+    for job in batch:
+        config = compose_config(["experiment=zoo_parity", *job])
+        assert config.data.eval_seq_lens == (16, 32, 64, 128) and config.steps == 2000
+
+
+def test_the_zoo_group_is_an_unknown_key():
+    """The `zoo` group held only the presets' seed ranges: it is gone, refused as any unknown key (exit 2, one line)."""
+    train = train_module()
+    for overrides in (["zoo.seeds=3"], ["experiment=zoo_parity", "zoo.seeds=3"]):
+        code, line = train.config_exit(overrides)
+        assert code == 2 and line.startswith("unknown key 'zoo'") and "\n" not in line, (code, line)
+    # a run dir from before records the group (always its default seeds=1): it still resumes, the key a free one
+    from rnnlab import rundir
+
+    now = rundir.recorded_config(compose_config(["experiment=zoo_parity", "model=gru"]))
+    assert not any(k.startswith("zoo.") for k in now)
+    assert rundir.resume_changes({**now, "zoo.seeds": 1}, now, []) == {}
+
+
+def test_every_tables_lr_grid_is_ascending_log_spaced_and_within_its_bounds():
+    for table in protocol.TABLES.values():
+        lrs = table.lrs
+        assert list(lrs) == sorted(set(lrs)) and len(lrs) >= 2, table.key
+        assert table.lr_bounds[0] <= lrs[0] and lrs[-1] <= table.lr_bounds[1], table.key
+        ratios = np.diff(np.log(lrs))
+        np.testing.assert_allclose(ratios, ratios[0], rtol=0.15)  # log-spaced (rounded: 3e-4, 1e-3, ...)
+        assert table.seeds >= 2 and table.jobs_per_setting() == len(lrs) + table.seeds - 1
 
 
 @pytest.mark.slow("long")
-@pytest.mark.parametrize("zoo", ZOOS)
-def test_a_zoo_sweeps_every_cell_with_the_block_it_needs(zoo):
-    assert sorted(swept_models(zoo)) == PACKAGE_CELLS
-    for cell in swept_models(zoo):
-        config = compose_config([f"experiment={zoo}", f"model={cell}"])
-        assert config.data.task == zoo.removeprefix("zoo_") and config.model.cell == cell
-        assert config.data.eval_seq_lens and max(config.data.eval_seq_lens) > config.data.seq_len
-        whole_sequence = issubclass(CELLS[cell], SequenceCell)
-        assert config.model.block == ("residual" if whole_sequence else "plain")
+@pytest.mark.parametrize("key", ["parity", "selective_copy", "mqar8"])
+def test_every_cell_of_a_table_runs_in_the_block_its_model_config_names(key):
+    """The presets of these tables set no block: each cell keeps its model config's (classic: plain; whole-sequence
+    mixers: residual), trained at the table's length and evaluated longer. (That the core tables hold every cell:
+    tests/zoo/test_runner.py.)"""
+    table = protocol.TABLES[key]
+    for setting in table.settings:
+        config = compose_config(table.job_overrides(setting, table.lrs[0], 0))
+        assert config.data.task == table.preset.removeprefix("zoo_") and config.model.cell == setting.cell
+        assert config.data.seq_len == table.train_len and max(config.data.eval_seq_lens) > config.data.seq_len
+        assert config.model.block == ("residual" if issubclass(CELLS[setting.cell], SequenceCell) else "plain")
 
 
 ST = "zoo_state_tracking"
@@ -42,31 +153,6 @@ ST_TASKS = {"parity": ("parity", {}), "modular_arithmetic": ("modular_arithmetic
             "s3": ("word_problem", {"group": "s3"}), "a4": ("word_problem", {"group": "a4"}),
             "a4_x_z5": ("word_problem", {"group": "a4_x_z5"}), "a5": ("word_problem", {"group": "a5"}),
             "s5": ("word_problem", {"group": "s5"})}
-
-
-def st_params():
-    return yaml.safe_load(Path(f"{CONF_DIR}/experiment/{ST}.yaml").read_text())["hydra"]["sweeper"]["params"]
-
-
-def st_commands():
-    """The further sweeps the preset's header documents (its commands that set a model key): the command
-    lines after `python train.py`."""
-    text = Path(f"{CONF_DIR}/experiment/{ST}.yaml").read_text()
-    lines = [line.lstrip("# ").split() for line in text.splitlines() if line.startswith("#")]
-    return [words[2:] for words in lines if words[:2] == ["python", "train.py"] and f"experiment={ST}" in words
-            and any(w.startswith("model.") for w in words)]
-
-
-def sweep_jobs(args):
-    """The jobs Hydra's basic sweeper runs for `python train.py ARGS` (zoo.seeds=1): the preset's
-    hydra.sweeper.params, then the command line's task overrides, which replace a key's list."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    params = [f"{k}={v}".replace("${zoo.seeds}", "1") for k, v in st_params().items()]
-    task = [a for a in args if "=" in a and not a.startswith(("hydra/", "hydra.", "experiment="))]
-    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(params + task), None)
-    return [dict(o.split("=", 1) for o in job) for job in batch]
 
 
 def check_task(config, choice):
@@ -80,63 +166,36 @@ def check_task(config, choice):
         assert config.data.seq_len % 2 and all(n % 2 for n in lengths)
 
 
-@pytest.mark.parametrize("cells", [pytest.param(("rnn", "mamba", "deltaproduct", "attention"), id="four-families",
-                                                marks=pytest.mark.slow("long")),
-                                   pytest.param(None, id="every-cell", marks=pytest.mark.slow("cross-product"))])
-def test_the_state_tracking_zoo_composes_every_job_of_its_sweep(cells):
-    params = st_params()
-    assert sorted(params["model"].split(",")) == PACKAGE_CELLS == sorted(swept_models("zoo_parity"))
-    assert params["state_tracking"].split(",") == ["parity", "modular_arithmetic", "s3", "a5"]
-    jobs = sweep_jobs([f"experiment={ST}"])
-    assert len(jobs) == 4 * len(PACKAGE_CELLS) * 4  # tasks x cells x lrs, one seed
-    jobs = [j for j in jobs if cells is None or j["model"] in cells]
-    for job in {(j["state_tracking"], j["model"]): j for j in jobs}.values():  # one lr and seed: they validate alike
-        config = compose_config([f"experiment={ST}", *(f"{k}={v}" for k, v in job.items())])
-        check_task(config, job["state_tracking"])
-        assert config.model.cell == job["model"] and config.steps == 2000 and config.hidden_dim == 64
-        assert config.model.block == ("residual" if issubclass(CELLS[job["model"]], SequenceCell) else "plain")
-    for choice in set(ST_TASKS) - set(params["state_tracking"].split(",")):  # the other tasks of conf/state_tracking/
-        check_task(compose_config([f"experiment={ST}", f"state_tracking={choice}", "model=deltaproduct"]), choice)
+def test_every_state_tracking_task_composes_with_the_preset():
+    """Each task of conf/state_tracking/, chosen as `state_tracking=`, with the preset's shape."""
+    assert sorted(ST_TASKS) == sorted(p.stem for p in Path(CONF_DIR, "state_tracking").glob("*.yaml"))
+    for choice in ST_TASKS:
+        config = compose_config([f"experiment={ST}", f"state_tracking={choice}", "model=gru"])
+        check_task(config, choice)
+        assert (config.steps, config.hidden_dim, config.num_layers, config.model.block) == (2000, 64, 2, "plain")
 
 
 @pytest.mark.slow("long")
-def test_the_state_tracking_switches_are_sweeps_of_the_preset_in_its_home():
-    """The header's switch-on and n_h commands: the command line's model list replaces the preset's, the switches
-    reach every job's config, and each sweep lands in a subdir of multirun/zoo_state_tracking."""
-    import datetime
-    import sys
-
-    from conftest import ROOT
-
-    sys.path.insert(0, str(ROOT))
-    import train
-
-    switch, householder = st_commands()
-    homes = {train.sweep_home(["-m", *args], datetime.datetime.now()) for args in (switch, householder)}
-    assert len(homes) == 2 and all(home.startswith(f"multirun/{ST}/") for home in homes)
-    switched = ("mamba", "mamba2", "deltanet", "gated_deltanet", "deltaproduct", "rwkv7")
-    expected = {"switch": {(cell, None, "true") for cell in switched},
-                "householder": {("deltaproduct", n, neg) for n in ("1", "3") for neg in ("false", "true")}}
-    for name, args in (("switch", switch), ("householder", householder)):
-        jobs = sweep_jobs(args)
-        settings = {(j["model"], j.get("model.num_householder"), j["model.allow_neg_eigval"].lower()) for j in jobs}
-        assert settings == expected[name] and len(jobs) == len(settings) * 4 * 4  # x tasks x lrs
-        for model, n_h, neg in settings:
-            config = compose_config([f"experiment={ST}", "state_tracking=s3", f"model={model}",
-                                     f"model.allow_neg_eigval={neg}", *([f"model.num_householder={n_h}"] * bool(n_h))])
-            options = dict(config.model.options)
-            assert options["allow_neg_eigval"] is (neg == "true")
-            assert n_h is None or options["num_householder"] == int(n_h)
-    # Hydra composes the sweep's own config first, with the fixed overrides and the preset's default cell.
-    for args in (switch, householder):
-        fixed = [a for a in args if "," not in a and not a.startswith(("-m", "hydra/"))]
-        assert compose_config(fixed).model.cell == "deltaproduct"
+def test_the_protocols_switch_settings_reach_the_config_and_the_presets_cell_takes_both():
+    """Each setting's overrides (the switch, n_h = 3, attention's window) reach its job's config; and the state-tracking
+    preset's own cell (deltaproduct) takes both switches, so that a `-m` sweep fixing them composes (Hydra composes a
+    sweep's config first with the command line's fixed keys and the preset's default cell)."""
+    for table in (protocol.TABLES["parity"], protocol.TABLES["s3"], protocol.TABLES["text"]):
+        for setting in (s for s in table.settings if s.overrides):
+            config = compose_config(table.job_overrides(setting, table.lrs[0], 0))
+            assert config.model.cell == setting.cell
+            for override in setting.overrides:
+                key, value = override.split("=", 1)
+                assert str(config_value(config, key)).lower() == value, (table.key, setting.name)
+    switched = compose_config([f"experiment={ST}", "model.allow_neg_eigval=true", "model.num_householder=3"])
+    assert switched.model.cell == "deltaproduct"
+    assert dict(switched.model.options)["allow_neg_eigval"] is True
 
 
-def test_the_hybrid_zoo_sweeps_every_stack_of_conf_hybrid_and_each_composes_as_named():
-    params = yaml.safe_load(open(f"{CONF_DIR}/experiment/zoo_hybrid.yaml"))["hydra"]["sweeper"]["params"]
-    stacks = params["hybrid"].split(",")
-    assert sorted(stacks) == sorted(p[:-5] for p in os.listdir(f"{CONF_DIR}/hybrid"))
+def test_the_hybrid_tables_run_every_stack_of_conf_hybrid_and_each_composes_as_named():
+    stacks = [s.cell for s in protocol.TABLES["hybrid_mqar8"].settings]
+    assert all([s.cell for s in t.settings] == stacks for t in protocol.TABLES.values() if t.cell_key == "hybrid")
+    assert sorted(stacks) == sorted(p.stem for p in Path(CONF_DIR, "hybrid").glob("*.yaml"))
     want = {"gated_deltanet": ("gated_deltanet", (), 0), "attention": ("attention", (), 0),
             "window": ("attention", (), 16),
             "gdn3_attention1": ("gated_deltanet", ("gated_deltanet",) * 3 + ("attention",), 0),
@@ -152,22 +211,43 @@ def test_the_hybrid_zoo_sweeps_every_stack_of_conf_hybrid_and_each_composes_as_n
         assert (m.block, m.mlp, config.num_layers, config.data.eval_seq_lens) == ("residual", "none", 4, (64, 128, 256))
 
 
-def test_the_zoo_presets_sweep_lrs_and_seeds():
-    for zoo in ("zoo_parity", "zoo_selective_copy", "zoo_mqar", "zoo_state_tracking"):
-        params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
-        lrs = [float(v) for v in str(params["optimizer.lr"]).split(",")]
-        assert len(lrs) == 4 and lrs == sorted(lrs)
-        ratios = np.diff(np.log(lrs))
-        np.testing.assert_allclose(ratios, ratios[0], rtol=0.15)  # log-spaced (rounded: 3e-4, 1e-3, ...)
-        assert params["seed"] == "range(0,${zoo.seeds})"
-    assert compose_config([]).zoo.seeds == 1
+def header_commands(preset):
+    """The commands in a preset's header comment, each as its words."""
+    text = Path(CONF_DIR, "experiment", f"{preset}.yaml").read_text()
+    lines = [line.lstrip("# ").split("  #")[0] for line in text.splitlines() if line.startswith("#")]
+    return [shlex.split(line) for line in lines if line.startswith("python ")]
 
 
-def test_zoo_seeds_must_be_positive():
-    from rnnlab.config import ConfigError
+def header_jobs(words):
+    """The jobs of a `python train.py` command in a header, as Hydra's basic sweeper expands it, one per setting of
+    the keys other than optimizer.lr and seed (which only pick the job's inputs: the same config otherwise)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    with pytest.raises(ConfigError, match="zoo.seeds"):
-        compose_config(["zoo.seeds=0"])
+    overrides = [w for w in words[2:] if "=" in w and not w.startswith(("hydra/", "hydra."))]
+    (batch,) = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    jobs = {}
+    for job in batch:
+        jobs.setdefault(tuple(o for o in job if not o.startswith(("optimizer.lr=", "seed="))), job)
+    return list(jobs.values())
+
+
+@pytest.mark.parametrize("preset", [p if p in ("zoo_parity", "zoo_mqar") else pytest.param(
+    p, marks=pytest.mark.slow("cross-product")) for p in PRESETS])
+def test_every_command_in_a_zoo_presets_header_composes(preset):
+    """Each `python train.py` line of the header (one job, or a sweep of one's own: every job of it but for its lrs
+    and seeds, which validate alike), and each `python -m rnnlab.zoo run` names a table of the protocol."""
+    train = train_module()
+    commands = header_commands(preset)
+    assert any(w[:2] == ["python", "train.py"] and "-m" not in w for w in commands), "a command for one job"
+    assert any(w[:2] == ["python", "train.py"] and "-m" in w for w in commands), "a sweep of one's own"
+    for words in commands:
+        if words[:3] == ["python", "-m", "rnnlab.zoo"]:
+            assert words[3] == "run" and protocol.suite_tables(words[4])[0].preset == preset, words
+        elif words[:2] == ["python", "train.py"]:
+            assert f"experiment={preset}" in words, words
+            for job in header_jobs(words):
+                assert train.config_exit(job) == (0, ""), job
 
 
 def time_scan_carry_floats(cell: str, hidden_dim: int, fields: dict, batch: int, steps: int) -> int:
@@ -208,22 +288,6 @@ def test_state_floats_is_the_carry_of_the_time_scan(cell):
         fields["chunk_size"] = steps
     expected = get_cell(cell)(8, **fields).state_floats(steps)
     assert time_scan_carry_floats(cell, 8, fields, batch=3, steps=steps) == expected
-
-
-@pytest.mark.parametrize("zoo", ["zoo_parity", "zoo_selective_copy", *(
-    pytest.param(zoo, marks=pytest.mark.slow("cross-product"))
-    for zoo in ("zoo_mqar", "zoo_parity_paper", "zoo_selective_copy_paper", "zoo_mqar_paper"))])
-def test_every_swept_value_of_a_zoo_composes(zoo):
-    """Each value of the sweep's task and width keys (pairs, hidden sizes) is a valid config, with the
-    slowest-to-check cell (attention: heads must divide the width) and a vector-state one."""
-    params = yaml.safe_load(open(f"{CONF_DIR}/experiment/{zoo}.yaml"))["hydra"]["sweeper"]["params"]
-    for key, values in params.items():
-        if key in ("model", "seed"):
-            continue
-        for value in str(values).split(","):
-            for cell in ("attention", "gru"):
-                config = compose_config([f"experiment={zoo}", f"model={cell}", f"{key}={value}"])
-                assert str(config_value(config, key)) == str(float(value) if key == "optimizer.lr" else int(value))
 
 
 def config_value(config, key: str):

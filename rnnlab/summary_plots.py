@@ -1,4 +1,4 @@
-"""The figures of scripts/summarize.py, drawn with matplotlib (pip install -e ".[plots]").
+"""The figures of `python -m rnnlab.summarize`, drawn with matplotlib (pip install -e ".[plots]").
 
 Each figure is built by a function that returns it, so tests can inspect its artists, and `plot`
 saves them. What a reader can trust: a qualitative palette (tab10, tab20 past ten lines) so no two
