@@ -213,19 +213,26 @@ def test_bench_decode_writes_its_table_csv_and_plot(tmp_path):
     assert sum(line.startswith("| ") for line in proc.stdout.splitlines()) == len(rows) + 1  # the header and the rows
 
 
-def test_the_package_tools_and_their_script_wrappers_answer_help_alike():
-    """`python -m rnnlab.eval_long` and `python scripts/eval_long.py` are one program (the script a wrapper kept so
-    that existing commands work): the same --help, exit 0; the other wrappers, sample's and summarize's, run theirs."""
-    def run(*args):
-        return subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, env=train_env(), capture_output=True,
-                              text=True, timeout=120)
+def test_the_package_tools_and_their_script_wrappers_answer_help_alike(monkeypatch, capsys):
+    """`python -m rnnlab.eval_long` (one fresh process: the entry point as a user types it) and each script kept as a
+    wrapper so that existing commands work (`scripts/<tool>.py`, run here as Python runs a script) print their
+    package module's --help and exit 0."""
+    import runpy
 
-    module, script = run("-m", "rnnlab.eval_long"), run(str(ROOT / "scripts" / "eval_long.py"))
-    assert module.returncode == script.returncode == 0, module.stderr[-2000:] + script.stderr[-2000:]
-    assert module.stdout == script.stdout and module.stdout.startswith("usage: eval_long ")
-    for name in ("sample", "summarize"):
-        wrapper = run(str(ROOT / "scripts" / f"{name}.py"))
-        assert wrapper.returncode == 0 and wrapper.stdout.startswith(f"usage: {name}.py "), wrapper.stderr[-2000:]
+    module = subprocess.run([sys.executable, "-m", "rnnlab.eval_long", "--help"], cwd=ROOT, env=train_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert module.returncode == 0 and module.stdout.startswith("usage: eval_long "), module.stderr[-2000:]
+    for name in ("eval_long", "sample", "summarize"):
+        shown = {}
+        for how, run in (("module", lambda: runpy.run_module(f"rnnlab.{name}", run_name="__main__")),
+                         ("script", lambda: runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__"))):
+            monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+            with pytest.raises(SystemExit) as ended:
+                run()
+            assert ended.value.code == 0, (name, how)
+            shown[how] = capsys.readouterr().out
+        assert shown["module"] == shown["script"] and shown["script"].startswith("usage: "), name
+    assert shown["script"] != module.stdout  # summarize's help, not eval_long's: each wrapper runs its own tool
 
 
 @pytest.mark.slow("end-to-end")  # the segmented evaluation itself: tests/test_eval_segments.py
