@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.utils import JobReturn, JobStatus, _flush_loggers, _save_config, configure_log, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, setup_globals
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
@@ -72,9 +72,10 @@ class _Job:
         """`.hydra/` (config.yaml, hydra.yaml, overrides.yaml), as Hydra's `run_job` writes it; OSError if it cannot."""
         if self.config.hydra.output_subdir is not None:
             hydra_output = self.output_dir / str(self.config.hydra.output_subdir)
-            _save_config(self.task_cfg, "config.yaml", hydra_output)
-            _save_config(self.hydra_cfg, "hydra.yaml", hydra_output)
-            _save_config(self.config.hydra.overrides.task, "overrides.yaml", hydra_output)
+            hydra_output.mkdir(parents=True, exist_ok=True)
+            for node, name in ((self.task_cfg, "config.yaml"), (self.hydra_cfg, "hydra.yaml"),
+                               (self.config.hydra.overrides.task, "overrides.yaml")):
+                (hydra_output / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
 
     def fail(self, message: str, code: int) -> None:
         """This job failed (before or while it trained): results.json says so (as far as its run dir can be
@@ -337,7 +338,7 @@ def _run_population(launcher: Any, jobs: list[_Job], locked: bool = True) -> dic
             values[job.num] = results.get("eval_loss")
     if preempted is not None:  # train.py says how to resume the sweep (each member's train.log has the step)
         raise SystemExit(EXIT_PREEMPTED)
-    _flush_loggers()
+    flush_log_handlers()
     for job in jobs:
         _callbacks(launcher, job, values.get(job.num), start=False)
     return values
@@ -357,3 +358,13 @@ def _train(train_population: Any, members: list, locked: bool) -> list | BaseExc
         if not isinstance(e, (ConfigError, CheckpointError)):
             logging.getLogger("rnnlab").exception("the population crashed")
         return e
+
+
+def flush_log_handlers() -> None:
+    """Every logging handler's buffered lines written out (each job's train.log) before Hydra's callbacks run, as
+    Hydra's own job runner does, through logging's public API."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for handler in {handler for logger in loggers for handler in logger.handlers}:
+        with contextlib.suppress(Exception):  # a closed or broken handler: nothing to flush
+            handler.flush()
