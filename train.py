@@ -39,13 +39,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from rnnlab.board import override_key
-from rnnlab.checkpoint import CheckpointError, CheckpointSaveError, hand_off_stop
+from rnnlab import exit_codes
+from rnnlab.checkpoint import hand_off_stop
 from rnnlab.config import Config, ConfigError, from_omegaconf
 from rnnlab.exit_codes import ABORTED as EXIT_ABORTED  # the codes, defined once (rnnlab/exit_codes.py)
 from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT
 from rnnlab.exit_codes import BUG as EXIT_BUG
 from rnnlab.exit_codes import CANNOT_WRITE as EXIT_CANNOT_WRITE
-from rnnlab.exit_codes import DIVERGED as EXIT_DIVERGED
 from rnnlab.exit_codes import PREEMPTED as EXIT_PREEMPTED
 from rnnlab.metrics import JobFailed, write_failure
 from rnnlab.rundir import RunDirBusy
@@ -272,27 +272,19 @@ def main(cfg: DictConfig) -> float:
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "Unable to initialize backend 'tpu'" on every start
     try:
         config = from_omegaconf(cfg)
-        from rnnlab.trainer import NonFiniteLossError, train_and_evaluate  # JAX loads once the config is good
+        from rnnlab.trainer import train_and_evaluate  # JAX loads once the config is good
 
-        try:
-            hydra_config = HydraConfig.get()
-            results = train_and_evaluate(config, hydra_config.runtime.output_dir, list(hydra_config.overrides.task),
-                                         varied_overrides(hydra_config))
-        except NonFiniteLossError as e:
-            fail(str(e), EXIT_DIVERGED)
-    except (ConfigError, CheckpointError) as e:
-        fail(str(e), EXIT_BAD_INPUT)
-    except CheckpointSaveError as e:
-        log_to_file("cannot save a checkpoint", e.__cause__ or e)
-        fail(str(e), EXIT_CANNOT_WRITE)
-    except OSError as e:
-        log_to_file("cannot write the run dir", e)
-        fail(f"cannot write the run dir: {e}".splitlines()[0], EXIT_CANNOT_WRITE)
-    except Exception as e:  # a bug: one line here, the traceback in train.log
-        log_to_file("crashed", e)
-        log_file = Path(HydraConfig.get().runtime.output_dir) / "train.log"
-        fail(f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
-             f"(the traceback is in {log_file})", EXIT_BUG)
+        hydra_config = HydraConfig.get()
+        results = train_and_evaluate(config, hydra_config.runtime.output_dir, list(hydra_config.overrides.task),
+                                     varied_overrides(hydra_config))
+    except Exception as e:  # its code and line as every command maps them (rnnlab.exit_codes.of_error)
+        code, line = exit_codes.of_error(e)
+        if code == EXIT_CANNOT_WRITE:  # the storage's own error, for train.log only
+            log_to_file("cannot write the run dir", e.__cause__ or e)
+        elif code == EXIT_BUG:  # a bug: one line here, the traceback in train.log
+            log_to_file("crashed", e)
+            line += f" (the traceback is in {Path(HydraConfig.get().runtime.output_dir) / 'train.log'})"
+        fail(line, code)
     if results["status"] == "preempted":
         logging.getLogger("rnnlab").warning("preempted at step %d: rerun the same command to resume", results["step"])
         hand_off_stop()  # stopped by submitit's signal (hydra/launcher=slurm): now saved, submitit requeues the job

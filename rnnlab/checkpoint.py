@@ -21,7 +21,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from orbax.checkpoint.checkpoint_managers import preservation_policy, save_decision_policy
 
-from rnnlab import files
+from rnnlab import exit_codes, files
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +33,13 @@ STATE, RECORD = "state", "config"  # the Orbax items of a checkpoint: the train 
 class CheckpointError(RuntimeError):
     """No checkpoint in the run dir could be restored."""
 
+    exit_code = exit_codes.BAD_INPUT  # rnnlab.exit_codes.of_error
+
 
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, read-only or failing storage)."""
+
+    exit_code = exit_codes.CANNOT_WRITE
 
 
 class Checkpointer:

@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Any, Mapping, Optional
 
-from rnnlab import cells, tasks
+from rnnlab import cells, exit_codes, tasks
 from rnnlab.blocks import MLPS
 from rnnlab.options import allowed, declaration, declared_problem
 
@@ -48,6 +48,8 @@ LAYER_KEYS = ("init", "activation", "forget_bias", "recurrence", "time_scan")
 
 class ConfigError(ValueError):
     """A config value is missing, misspelt, mistyped or out of range."""
+
+    exit_code = exit_codes.BAD_INPUT  # rnnlab.exit_codes.of_error
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,11 +33,10 @@ from rnnlab.sweep_status import job_output_to, varied_overrides
 
 log = logging.getLogger(__name__)
 
-# The exit codes, defined once (rnnlab/exit_codes.py): bad input, diverged, the run dir not writable, preempted, a bug.
+# The exit codes, defined once, and what ended a job mapped to one as train.py maps it (rnnlab/exit_codes.py).
+from rnnlab import exit_codes  # noqa: E402
 from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT  # noqa: E402
-from rnnlab.exit_codes import BUG as EXIT_BUG  # noqa: E402
 from rnnlab.exit_codes import CANNOT_WRITE as EXIT_CANNOT_WRITE  # noqa: E402
-from rnnlab.exit_codes import DIVERGED as EXIT_DIVERGED  # noqa: E402
 from rnnlab.exit_codes import PREEMPTED as EXIT_PREEMPTED  # noqa: E402
 
 
@@ -277,10 +276,7 @@ def _member_handlers(jobs: list[_Job]) -> list[logging.Handler]:
 def _run_population(launcher: Any, jobs: list[_Job], locked: bool = True) -> dict[int, Any]:
     """Train one population; returns each job's eval loss by job number (its failure, if any, on the job: a member's
     own fault fails that job alone). `locked`: `launch` holds the jobs' run-dir locks."""
-    from rnnlab.checkpoint import CheckpointError, CheckpointSaveError
-    from rnnlab.config import ConfigError
     from rnnlab.population import Member, train_population
-    from rnnlab.report import NonFiniteLossError
 
     callbacks = launcher.hydra_context.callbacks
     saved = HydraConfig.instance().cfg
@@ -314,27 +310,17 @@ def _run_population(launcher: Any, jobs: list[_Job], locked: bool = True) -> dic
         absl.setLevel(absl_level)
     values: dict[int, Any] = {}
     preempted = None
-    def code_and_line(e: BaseException) -> tuple[int, str]:
-        """train.py's exit code and one line for what ended a job (as `main` maps them)."""
-        if isinstance(e, (ConfigError, CheckpointError)):
-            return EXIT_BAD_INPUT, str(e)
-        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        code = EXIT_CANNOT_WRITE if isinstance(e, (CheckpointSaveError, OSError)) else EXIT_BUG
-        return code, f"{type(e).__name__}: {text}"
-
     if isinstance(outcome, BaseException):
         for job in jobs:
-            job.fail(*reversed(code_and_line(outcome)))
+            job.fail(*reversed(exit_codes.of_error(outcome)))
     else:
         for job, (results, error) in zip(jobs, outcome):
             if results["status"] == "preempted":
                 preempted = results["step"]
-            elif isinstance(error, NonFiniteLossError):
-                job.fail(str(error), EXIT_DIVERGED)
             elif isinstance(error, KeyboardInterrupt):
                 raise error
             elif error is not None:
-                job.fail(*reversed(code_and_line(error)))
+                job.fail(*reversed(exit_codes.of_error(error)))
             values[job.num] = results.get("eval_loss")
     if preempted is not None:  # train.py says how to resume the sweep (each member's train.log has the step)
         raise SystemExit(EXIT_PREEMPTED)
@@ -352,10 +338,7 @@ def _train(train_population: Any, members: list, locked: bool) -> list | BaseExc
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as e:  # noqa: BLE001 - every member fails with it; the sweeper re-raises the first
-        from rnnlab.checkpoint import CheckpointError
-        from rnnlab.config import ConfigError
-
-        if not isinstance(e, (ConfigError, CheckpointError)):
+        if exit_codes.of_error(e)[0] != EXIT_BAD_INPUT:  # bad input is its one line; anything else, its traceback
             logging.getLogger("rnnlab").exception("the population crashed")
         return e
 

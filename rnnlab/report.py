@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import flops, param_stats, tasks
+from rnnlab import exit_codes, flops, param_stats, tasks
 from rnnlab.board import describe_run
 from rnnlab.files import read_json_object
 from rnnlab.provenance import provenance, utc_now
@@ -43,6 +43,8 @@ def model_label(model: cfg.ModelConfig) -> str:
 
 class NonFiniteLossError(RuntimeError):
     """The training loss or gradient norm became NaN or Inf at `step`."""
+
+    exit_code = exit_codes.DIVERGED  # rnnlab.exit_codes.of_error
 
     def __init__(self, message: str, step: int):
         super().__init__(message)
