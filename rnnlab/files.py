@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -9,7 +10,7 @@ import math
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def write_json(path: Path, value: Any, indent: int | None = 2) -> None:
@@ -69,6 +70,20 @@ def exclusive_lock(path: Path, flags: int = 0) -> tuple[int | None, str]:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
     return fd, ""
+
+
+@contextlib.contextmanager
+def waited_lock(path: Path) -> Iterator[None]:
+    """An exclusive `flock` on `path` (a folder, or a file created if missing) for the block, waiting for it: one
+    process at a time, across processes (the zoo's records, the sweep status's count). The OS drops it when its
+    holder dies, even by SIGKILL. An OSError if `path` cannot be opened."""
+    mode = os.O_RDONLY | os.O_DIRECTORY if Path(path).is_dir() else os.O_RDWR | os.O_CREAT
+    fd = os.open(path, mode | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def lock_holder(path: Path) -> str | None:

@@ -177,17 +177,10 @@ def _read(path: Path) -> dict[str, Any]:
 @contextlib.contextmanager
 def _locked(folder: Path) -> Iterator[None]:
     """One process at a time (the joblib launcher's workers finish side by side): lines counted in order."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: the count may repeat a number, nothing worse
+    from rnnlab.files import waited_lock
+
+    with waited_lock(folder / "lock"):
         yield
-        return
-    with open(folder / "lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 from rnnlab.exit_codes import BAD_INPUT as EXIT_BAD_INPUT  # noqa: E402  (a sweep dir in use)

@@ -7,7 +7,6 @@ these files alone; `collect` writes them from run dirs.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
@@ -15,7 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
-from rnnlab.files import read_json_object
+from rnnlab.files import read_json_object, waited_lock
 from rnnlab.provenance import device_kind, machine_name
 from rnnlab.zoo.protocol import Setting, Table, same_lr
 
@@ -135,17 +134,13 @@ def locked(folder: Path) -> Iterator[None]:
     """An exclusive `flock` on the records dir itself for the block: one writer of the records at a time, across
     processes (no lock file to commit; the OS drops the lock when its holder dies, even by SIGKILL)."""
     folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise RecordsUnwritable(f"cannot write the records dir {folder} "
-                                f"({e.strerror or e})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with contextlib.ExitStack() as held:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            held.enter_context(waited_lock(folder))
+        except OSError as e:
+            raise RecordsUnwritable(f"cannot write the records dir {folder} ({e.strerror or e})") from None
         yield
-    finally:
-        os.close(fd)  # drops the lock
 
 
 def write(path: Path, records: Iterable[Mapping[str, Any]], table: Table | None) -> None:
