@@ -222,7 +222,9 @@ BOUNDED = tuple(v.split("=")[0] for v in BOUNDED_VALUES)
 
 @pytest.mark.slow("end-to-end")
 @settings(max_examples=6, **SETTINGS)
-@given(overrides=override_lists())  # by name: a positional strategy fills the rightmost argument (the fixture)
+# By name: a positional strategy fills the rightmost argument (the fixture). A command line cannot carry a NUL byte
+# (execve refuses it before train.py starts; CI drew `batch_size='\x00'`): the in-process fuzzers above keep them.
+@given(overrides=override_lists().filter(lambda overrides: not any("\x00" in o for o in overrides)))
 def test_fuzz_train_py_end_to_end(overrides, tmp_path_factory):
     """The same property through `python train.py`: exit 0 or 2, one `rnnlab: error:` line naming a key,
     no traceback on the console, and nothing written outside the run dir."""
