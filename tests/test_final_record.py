@@ -38,22 +38,6 @@ def test_a_rerun_that_evaluates_again_keeps_the_trainings_figures(tmp_path):
     assert again["config"]["eval_batches"] == 3 and again["status"] == "completed"
 
 
-def test_a_finished_text_run_evaluates_again_with_other_eval_streams(tmp_path):
-    """data.eval_streams only cuts the held-out text for evaluation (`Task.eval_options`): a finished data=text run
-    rerun with another value evaluates again, as for any eval key, instead of refusing it as a training change."""
-    from conftest import TEXT_FIXTURE_DATA
-
-    text = [*TEXT_FIXTURE_DATA, "model=lstm", "num_layers=1", "batch_size=4", "data.seq_len=8", "steps=2",
-            "eval_every=2", "checkpoint.every=2"]
-    first = train_and_evaluate(tiny_config(*text, "data.eval_streams=2"), tmp_path)
-    again = train_and_evaluate(tiny_config(*text, "data.eval_streams=3"), tmp_path)
-    for key in ("train_loss", "tokens_per_sec", "compile_seconds"):
-        assert again[key] == first[key], key
-    assert again["config"]["data.eval_streams"] == 3 and again["status"] == "completed"
-    assert again["eval_metrics"]["bpc_reset"] is not None and again["test_bpc"] is not None
-    assert not (tmp_path / "checkpoints" / "config_history.json").exists()  # no training change was recorded
-
-
 def nested(flat):
     """{'model.cell': 'rnn', ...} -> {'model': {'cell': 'rnn'}, ...}: the nested dict `config.from_dict` reads."""
     tree = {}

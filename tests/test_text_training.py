@@ -7,6 +7,7 @@ its windows. The fixture corpus only (tests/data/text_fixture), tiny models."""
 import dataclasses
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -290,19 +291,46 @@ def test_sampling_at_temperature_0_or_top_1_is_greedy_and_a_seed_repeats():
     assert ((0 <= np.asarray(a)) & (np.asarray(a) < 256)).all()
 
 
-def trained_text_run(run):
-    """A tiny data=text run with its checkpoint and the .hydra/config.yaml train.py writes, trained in process."""
+TEXT_RUN = ("num_layers=1", "data.seq_len=8", "data.eval_streams=2", "steps=2", "eval_every=2", "checkpoint.every=2")
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory):
+    """A tiny data=text run with its checkpoint and the .hydra/config.yaml train.py writes, trained in process once
+    for this module; a test that writes into it takes a copy (`copied`)."""
     from omegaconf import OmegaConf
 
     from rnnlab import config as cfg
     from rnnlab.trainer import train_and_evaluate
 
-    config = text_config("num_layers=1", "data.seq_len=8", "data.eval_streams=2", "steps=2", "eval_every=2",
-                         "checkpoint.every=2")
-    train_and_evaluate(config, run)
+    run = tmp_path_factory.mktemp("text") / "run"
+    config = text_config(*TEXT_RUN)
+    first = train_and_evaluate(config, run)
     (run / ".hydra").mkdir()
     OmegaConf.save(OmegaConf.create(json.loads(json.dumps(cfg.to_dict(config)))), run / ".hydra" / "config.yaml")
-    return run
+    return run, first
+
+
+def copied(run, to):
+    shutil.copytree(run, to)
+    return to
+
+
+def test_a_finished_text_run_evaluates_again_with_other_eval_streams(text_run, tmp_path):
+    """data.eval_streams only cuts the held-out text for evaluation (`Task.eval_options`): a finished data=text run
+    rerun with another value evaluates again, as for any eval key, instead of refusing it as a training change."""
+    from rnnlab.trainer import train_and_evaluate
+
+    run, first = text_run
+    run = copied(run, tmp_path / "run")
+    again = train_and_evaluate(text_config(*TEXT_RUN, "data.eval_streams=3"), run)
+    for key in ("train_loss", "tokens_per_sec", "compile_seconds"):
+        assert again[key] == first[key], key
+    assert first["config"]["data.eval_streams"] == 2
+    assert again["config"]["data.eval_streams"] == 3 and again["status"] == "completed"
+    assert again["eval_metrics"]["bpc_reset"] is not None and again["test_bpc"] is not None
+    assert again["test_bpc"] != first["test_bpc"]  # evaluated again: three streams cut the test text otherwise
+    assert not (run / "checkpoints" / "config_history.json").exists()  # no training change was recorded
 
 
 @pytest.mark.parametrize("args, message", [
@@ -321,9 +349,9 @@ def test_sample_py_bounds_what_it_draws_in_one_line(tmp_path, capsys, args, mess
     assert info.value.code == 2 and err.count("\n") == 1 and err.startswith("sample: error: " + message), err
 
 
-def test_sample_py_refuses_a_file_or_unreadable_checkpoints_as_run_dir_in_one_line(tmp_path, capsys):
+def test_sample_py_refuses_a_file_or_unreadable_checkpoints_as_run_dir_in_one_line(text_run, tmp_path, capsys):
     sample = sample_cli  # rnnlab.sample
-    run = trained_text_run(tmp_path / "run")
+    run = copied(text_run[0], tmp_path / "run")
     capsys.readouterr()  # the training's own lines
     loaded = load_run(run)  # what sample.py samples from: the carried state's train state, bit for bit Orbax's
     assert isinstance(loaded.state, CarryTrainState) and loaded.step == 2
