@@ -448,6 +448,7 @@ def validate(c: Config) -> None:
     if problem:
         raise ConfigError(problem)
     _validate_model(c)
+    _validate_fused(c)
     try:
         tasks.check_data(c.data)  # the task's options, data.seq_len, data.min_seq_len, data.eval_seq_lens
     except tasks.OptionError as e:
@@ -463,6 +464,26 @@ def validate(c: Config) -> None:
         if name not in known and not _is_pattern_key(name):
             raise ConfigError(f"key 'checkpoint.allow_changes': {name!r} is not a config key; allowed: dotted keys "
                               f"as `python train.py --cfg job` shows them, e.g. [steps,optimizer.lr]")
+
+
+def _validate_fused(c: Config) -> None:
+    """`model.time_scan=fused` asked for by name: a CPU kernel, which must build here (`auto` falls back instead)."""
+    m = c.model
+    keys = [("model.", m.own_layer_cell())] + [(f"model.pattern_keys.{s.cell}.", s) for s in m.layer_cells()
+                                               if m.pattern and s.cell != m.cell]
+    for prefix, spec in keys:
+        if spec.time_scan != "fused":
+            continue
+        if c.device.platform in ("gpu", "tpu"):
+            raise ConfigError(f"key '{prefix}time_scan': got 'fused', a CPU kernel, but device.platform is "
+                              f"{c.device.platform}; allowed: auto or a JAX form of cell {spec.cell!r}")
+        from rnnlab import fused  # builds the kernel on first use (seconds, once per machine)
+
+        ok, why = fused.available()
+        if not ok:
+            others = [f for f in spec.make(m.hidden_dim).time_scans if f != "fused"]
+            raise ConfigError(f"key '{prefix}time_scan': got 'fused', but its kernel cannot be built here ({why}); "
+                              f"allowed: auto, {', '.join(others)}")
 
 
 def _validate_stream_task(c: Config) -> None:

@@ -109,14 +109,15 @@ class StepFlops:
 
 
 def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int, seq_len: int,
-               token_inputs: bool = False, devices: int = 1) -> StepFlops:
+               token_inputs: bool = False, devices: int = 1, layer_cells: tuple = ()) -> StepFlops:
     """Matmul FLOPs of a step over `tokens` = global batch x time steps of sequences of `seq_len`
     steps (see the module docstring); `token_inputs`: the inputs are token ids of `input_dim`
     symbols, else `input_dim` floats; `devices`: the data-parallel devices the step is split over
-    (each embeds tokens / devices ids, which decides the fold of ids)."""
+    (each embeds tokens / devices ids, which decides the fold of ids); `layer_cells`: one pattern period's cells
+    as the model runs them (`RecurrentModel.layer_cells`, forms resolved for the platform), else the config's."""
     # Each layer's cell: one period of the layer pattern (`ModelConfig.layer_cells`, one cell without a
     # pattern), repeated `groups` times; layer 0 is the period's first.
-    specs = model.layer_cells()
+    specs = layer_cells or model.layer_cells()
     groups = model.num_layers // len(specs)
     h = model.hidden_dim
     layer_cells = [spec.make(h) for spec in specs]
@@ -153,10 +154,10 @@ def step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens: int,
 
 
 def train_step_flops(model: ModelConfig, input_dim: int, output_dim: int, tokens_per_step: int, seq_len: int,
-                     token_inputs: bool = False, devices: int = 1) -> int:
+                     token_inputs: bool = False, devices: int = 1, layer_cells: tuple = ()) -> int:
     """Model FLOPs of one forward + backward pass over `tokens_per_step` = global batch x `seq_len`
     (`step_flops`' arguments)."""
-    return step_flops(model, input_dim, output_dim, tokens_per_step, seq_len, token_inputs, devices).model
+    return step_flops(model, input_dim, output_dim, tokens_per_step, seq_len, token_inputs, devices, layer_cells).model
 
 
 # --- FLOPs as JAX and XLA see them (for cross-checks and the benchmark) ---------------------------

@@ -36,10 +36,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from rnnlab import onednn
+from rnnlab import fused, onednn
 from rnnlab.blocks import ResidualBlock
 from rnnlab.cells import Cell, SequenceCell, get_cell
-from rnnlab.config import LayerCell, ModelConfig
+from rnnlab.config import ConfigError, LayerCell, ModelConfig
 from rnnlab.embedding import apply_projection, embed, is_token_ids, project  # noqa: F401  (embed: models.embed, as before)
 from rnnlab.recurrence import linear, recurrence
 
@@ -451,11 +451,13 @@ def build_model(config: ModelConfig, output_dim: int, platform: str | None = Non
     with `model.unroll=null` resolved for that platform (`default_unroll`)."""
     platform = platform or jax.default_backend()
     unroll = config.unroll or default_unroll(platform)
-    config = dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform))
+    config = dataclasses.replace(config, unroll=unroll, recurrence=resolve_recurrence(config, platform),
+                                 time_scan=resolve_form(config.time_scan, config.cell, platform))
     specs = config.layer_cells()
-    if len(specs) > 1:  # each cell's own recurrence resolved alike (the LSTM's default is auto)
+    if len(specs) > 1:  # each cell's own recurrence and form resolved alike (the LSTM's default is auto)
         specs = tuple(s if s.cell == config.cell else dataclasses.replace(
-            s, recurrence=_resolve(s.recurrence, config.hidden_dim, platform, f"model.pattern_keys.{s.cell}.recurrence"))
+            s, recurrence=_resolve(s.recurrence, config.hidden_dim, platform, f"model.pattern_keys.{s.cell}.recurrence"),
+            time_scan=resolve_form(s.time_scan, s.cell, platform, f"model.pattern_keys.{s.cell}.time_scan"))
             for s in specs)
         return RecurrentModel(config, output_dim, input_dim, specs)
     return RecurrentModel(config, output_dim, input_dim)
@@ -478,6 +480,22 @@ def _resolve(recurrence: str, hidden_dim: int, platform: str, key: str = "model.
         _notice_once(f"{key}={recurrence}: {why}; running {key}=custom_vjp (XLA) instead")
         return "custom_vjp"
     return recurrence
+
+
+def resolve_form(time_scan: str, cell: str, platform: str, key: str = "model.time_scan") -> str:
+    """`model.time_scan`, with `auto` taken to the cell's fused CPU kernel (`rnnlab.fused`) on a CPU where the
+    kernel builds: it was the fastest form at every shape measured (docs/benchmarks.md, "Fused kernels"). Where it
+    cannot be built, `auto` keeps the JAX forms after a one-line notice."""
+    if time_scan == "fused" and platform != "cpu":  # device.platform=auto found an accelerator
+        raise ConfigError(f"key '{key}': got 'fused', a CPU kernel, but this run's devices are {platform}; "
+                          f"allowed: auto or a JAX form of cell {cell!r}")
+    if time_scan != "auto" or platform != "cpu" or "fused" not in get_cell(cell).time_scans:
+        return time_scan
+    ok, why = fused.available()
+    if not ok:
+        _notice_once(f"{key}=auto: {why}; running the JAX forms instead of the fused kernel")
+        return time_scan
+    return "fused"
 
 
 @functools.cache

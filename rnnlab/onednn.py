@@ -11,18 +11,13 @@ or loaded, `available()` is False with the reason, and the layer runs the XLA pa
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from rnnlab import native_build
 
 SOURCE = Path(__file__).parent / "native" / "onednn_lstm.cc"
 FORWARD, BACKWARD = "rnnlab_onednn_lstm_forward", "rnnlab_onednn_lstm_backward"
@@ -38,60 +33,26 @@ def library_prefix() -> Path | None:
     return None
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "rnnlab" / "native"
-
-
 def build(prefix: Path) -> Path:
-    """Compile the kernel once per source, compiler, oneDNN and jaxlib (the name hashes them); the path of the library."""
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), str(prefix).encode(),
-                                     jax.__version__.encode(), include.encode()])).hexdigest()[:16]
-    out = cache_dir() / f"onednn_lstm-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # unique per build
-    os.close(fd)
-    cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{include}", f"-I{prefix / 'include'}",
-           str(SOURCE), f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}", "-o", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        Path(tmp).unlink(missing_ok=True)
-        last = (done.stderr.strip().splitlines() or [f"{compiler} exited {done.returncode}"])[-1]
-        raise RuntimeError(f"compiling {SOURCE.name} failed: {last}")
-    os.replace(tmp, out)  # atomic: a concurrent job sees the old state or the whole library
-    return out
+    """Compile the kernel once per source, compiler, oneDNN, jaxlib and CPU (`native_build.build`); its path."""
+    return native_build.build(SOURCE, ["-O2", "-std=c++17", f"-I{prefix / 'include'}"],
+                              [f"-L{prefix / 'lib'}", "-ldnnl", f"-Wl,-rpath,{prefix / 'lib'}"])
 
 
-_load_lock = threading.Lock()
-
-
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the loaded kernel library with its FFI targets registered, "") or (None, why not); built and loaded
-    once per process (threads that ask together wait for the one build)."""
-    with _load_lock:
-        return _load_once()
-
-
-@functools.cache
-def _load_once() -> tuple[ctypes.CDLL | None, str]:
+def _built() -> Path:
     prefix = library_prefix()
     if prefix is None:
-        return None, f"oneDNN's headers and library are not installed ({INSTALL_HINT})"
-    try:
-        lib = ctypes.CDLL(str(build(prefix)))
-    except (OSError, RuntimeError) as e:
-        return None, str(e)
+        raise RuntimeError(f"oneDNN's headers and library are not installed ({INSTALL_HINT})")
+    return build(prefix)
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.rnnlab_lstm_workspace_bytes.restype = ctypes.c_int64
     lib.rnnlab_lstm_workspace_bytes.argtypes = [ctypes.c_int64] * 4
-    jax.ffi.register_ffi_target(FORWARD, jax.ffi.pycapsule(lib.RnnlabLstmForward), platform="cpu")
-    jax.ffi.register_ffi_target(BACKWARD, jax.ffi.pycapsule(lib.RnnlabLstmBackward), platform="cpu")
-    return lib, ""
+
+
+_loader = native_build.Loader(_built, {FORWARD: "RnnlabLstmForward", BACKWARD: "RnnlabLstmBackward"}, _declare)
+_load = _loader.load
 
 
 def available() -> tuple[bool, str]:

@@ -70,10 +70,11 @@ class Setup:
         return groups * sum(spec.make(model.hidden_dim).state_floats(self.task.total_len) for spec in specs)
 
     def step_flops(self, devices: int = 1) -> int:
-        """Model FLOPs of one train step over the global batch (`flops.train_step_flops`)."""
+        """Model FLOPs of one train step over the global batch (`flops.train_step_flops`), of the forms the model
+        runs on this platform (its config as `build_model` resolved it)."""
         task = self.task
-        return flops.train_step_flops(self.config.model, task.input_dim, task.output_dim, self.tokens_per_step,
-                                      task.total_len, task.token_inputs, devices)
+        return flops.train_step_flops(self.model.config, task.input_dim, task.output_dim, self.tokens_per_step,
+                                      task.total_len, task.token_inputs, devices, self.model.layer_cells)
 
     def example_inputs(self) -> Any:
         """One device's batch of model inputs (zeros)."""

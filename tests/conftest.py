@@ -25,6 +25,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # do. JAX_DISABLE_MOST_OPTIMIZATIONS=0 pytest runs the suite on optimised programs.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 ROOT = Path(__file__).resolve().parents[1]
+# train.py sits at the root, outside the package: any test may `import train` (its config_exit, in process)
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 # JAX's persistent compilation cache for this process and its train.py subprocesses, every
 # program kept (the defaults keep only those that took a second to compile).
 # RNNLAB_TEST_COMPILE_CACHE=0 runs without it, train.py's own cache off too (CI does: jax-ml/jax#28908).

@@ -16,7 +16,8 @@ parity needs. The forms are unchanged (the WY system stays unit lower-triangular
 The write replaces the value stored under k_t by beta_t of the way to v_t (the delta rule), where
 linear attention only adds. The transition is not diagonal, so there is no cheap associative form:
 `sequential` runs it one step at a time (`delta_rule_recurrent`, its backward a hand-written reverse scan),
-`chunked` is the chunkwise WY form (`delta_rule_chunked`).
+`chunked` is the chunkwise WY form (`delta_rule_chunked`), `fused` the sequential steps in one C++ loop on a
+CPU (`rnnlab.fused.delta_rule`: the state kept in cache, the backward recomputing blocks from checkpoints).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from rnnlab.cells.common import a_log_uniform_init, dt_bias_init
+from rnnlab import fused
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import pow2_ceil
 from rnnlab.cells.matrix import MatrixCell, l2_normalize, padded_length, with_state
@@ -40,9 +42,9 @@ class DeltaNet(MatrixCell):
     allow_neg_eigval: bool = False  # beta in (0, 2), not (0, 1): eigenvalues of the transition in (-1, 1] (Grazzi et al.)
 
     name = "deltanet"
-    time_scans = ("sequential", "chunked")
-    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
-    # "Forms by length")
+    time_scans = ("sequential", "chunked", "fused")
+    # model.time_scan=auto: on a CPU where the kernel builds, fused (`rnnlab.models.build_model`); elsewhere
+    # sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md, "Forms by length")
     default_time_scan = "auto"
     auto_forms = ((64, "sequential"),)
     long_form = "chunked"
@@ -71,10 +73,17 @@ class DeltaNet(MatrixCell):
         if time_scan == "chunked":
             return with_state(delta_rule_chunked(q, k, v, beta, log_alpha, min(self.chunk_size, q.shape[0]), state),
                               state)
+        if time_scan == "fused":
+            return with_state(fused.delta_rule(q, k, v, beta, log_alpha, state), state)
         return with_state(delta_rule_recurrent(q, k, v, beta, log_alpha, self.chunk_size, state), state)
+
+    # Delta-rule steps a token (DeltaProduct's n_h); the fused kernel runs them without interleaving.
+    substeps = 1
 
     def recurrence_flops(self, seq_len, time_scan):
         d, heads = self.head_dim, self.num_heads
+        if time_scan == "fused":  # per token: n (k S, the rank-one write), then q S once
+            return heads * seq_len * (4 * self.substeps + 2) * d * d
         if time_scan == "sequential":  # k_t S, the rank-one write k_t^T u_t, q_t S_t per step
             return heads * padded_length(seq_len, self.chunk_size) * 6 * d * d
         c = min(self.chunk_size, seq_len)
@@ -89,7 +98,9 @@ class DeltaNet(MatrixCell):
         return heads * (padded_length(seq_len, c) // c) * per_chunk
 
     def mixing_recompute_flops(self, seq_len, time_scan):
-        d = self.head_dim  # the sequential form's backward reruns each block's state updates
+        d = self.head_dim  # the sequential and fused forms' backward reruns each block's state updates
+        if time_scan == "fused":
+            return self.num_heads * seq_len * 4 * self.substeps * d * d
         return self.num_heads * padded_length(seq_len, self.chunk_size) * 4 * d * d if time_scan == "sequential" else 0
 
 

@@ -23,6 +23,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab import fused
 from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_product_recurrent
 from rnnlab.cells.deltanet import GatedDeltaNet
 from rnnlab.cells.matrix import l2_normalize, with_state
@@ -63,10 +64,20 @@ class DeltaProduct(GatedDeltaNet):
         log_alpha = -jnp.exp(params["A_log"]) * step
         if time_scan == "chunked":
             return with_state(delta_product_chunked(q, k, v, beta, log_alpha, self.chunk_size, state), state)
+        if time_scan == "fused":  # the n steps of each token in the kernel, not interleaved
+            return with_state(fused.delta_rule(q, k, v, beta, log_alpha, state), state)
         return with_state(delta_product_recurrent(q, k, v, beta, log_alpha, self.chunk_size, state), state)
 
+    @property
+    def substeps(self):
+        return self.num_householder
+
     def recurrence_flops(self, seq_len, time_scan):
+        if time_scan == "fused":
+            return super().recurrence_flops(seq_len, time_scan)
         return super().recurrence_flops(self.num_householder * seq_len, time_scan)  # the interleaved steps
 
     def mixing_recompute_flops(self, seq_len, time_scan):
+        if time_scan == "fused":
+            return super().mixing_recompute_flops(seq_len, time_scan)
         return super().mixing_recompute_flops(self.num_householder * seq_len, time_scan)

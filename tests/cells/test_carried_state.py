@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, compose_config, fast_first
-from rnnlab import cells
+from rnnlab import cells, models
 from rnnlab.models import build_model, initial_state
 
 from test_fuzz_config import group_options  # noqa: E402
@@ -128,8 +128,11 @@ def test_the_auto_cases_left_out_are_their_forms_cases():
     for model, form in AUTO_IS.items():
         assert auto_resolves_to(cells.get_cell(yamls[model].cell)(1)) == {form} and f"{model}-{form}" in ids
     for model in ("deltanet", "mlstm"):
+        # On a CPU where the kernel builds, build_model takes deltanet's auto to its fused form (a case of its own)
+        runs = models.resolve_form("auto", yamls[model].cell, "cpu")
+        runs = AUTO_IS[model] if runs == "auto" else runs
         programs = {}
-        for form in ("auto", AUTO_IS[model]):
+        for form in ("auto", runs):
             config = compose_config([f"hidden_dim={H}", "num_layers=2", f"model={model}", f"model.time_scan={form}",
                                      *small_overrides(model)])
             net = build_model(config.model, output_dim=3, input_dim=5)
@@ -137,7 +140,7 @@ def test_the_auto_cases_left_out_are_their_forms_cases():
             params = jax.eval_shape(net.init, jax.random.key(0), x)["params"]
             state = initial_state(net, B, sum(CUTS))
             programs[form] = str(jax.make_jaxpr(net.apply)({"params": params}, x, state=state))
-        assert programs["auto"] == programs[AUTO_IS[model]], model
+        assert programs["auto"] == programs[runs], model
 
 
 @pytest.mark.parametrize("model", fast_first(["rnn", "lstm", "mamba"], why="cross-product"))

@@ -35,6 +35,7 @@ import numpy as np
 import pytest
 
 from conftest import require
+from rnnlab import fused
 from rnnlab.cells.delta_product_forms import delta_product_chunked, delta_product_recurrent
 from rnnlab.cells.delta_rule_forms import delta_rule_chunked, delta_rule_recurrent
 from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent, ssd_chunked
@@ -225,24 +226,31 @@ def fla_simple_gla_chunk(fla, chunk):
 
 # --- DeltaNet and gated DeltaNet ------------------------------------------------------------------------------------
 
+def delta_rule_form(form, chunk):
+    """The delta rule's form `form` (recurrent, chunked or the fused CPU kernel) with `chunk`."""
+    if form == "fused":
+        return fused.delta_rule
+    return (functools.partial(delta_rule_recurrent, checkpoint_every=chunk) if form == "recurrent"
+            else functools.partial(delta_rule_chunked, chunk_size=chunk))
+
+
 @pytest.mark.parametrize("beta_kind", list(BETAS))
 @pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("form", ["recurrent", "chunked", "fused"])
 def test_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
-    """DeltaNet (no gate) against fla's delta_rule_recurrence and delta_rule_chunkwise (same chunk size)."""
-    fn = (functools.partial(delta_rule_recurrent, checkpoint_every=chunk) if form == "recurrent"
-          else functools.partial(delta_rule_chunked, chunk_size=chunk))
+    """DeltaNet (no gate) against fla's delta_rule_recurrence and delta_rule_chunkwise (same chunk size); `fused`:
+    the CPU kernel (`rnnlab.fused`)."""
+    fn = delta_rule_form(form, chunk)
     refs = {"delta_rule_recurrence": fla_delta_recurrence(fla), "delta_rule_chunkwise": fla_delta_chunkwise(fla, chunk)}
     assert_twins(fn, refs, delta_inputs(length, beta_kind, False, seed=length + chunk), "q k v beta".split())
 
 
 @pytest.mark.parametrize("beta_kind", list(BETAS))
 @pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("form", ["recurrent", "chunked", "fused"])
 def test_gated_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
     """Gated DeltaNet (log_alpha down to -3) against fla's naive_recurrent_ and naive_chunk_gated_delta_rule."""
-    fn = (functools.partial(delta_rule_recurrent, checkpoint_every=chunk) if form == "recurrent"
-          else functools.partial(delta_rule_chunked, chunk_size=chunk))
+    fn = delta_rule_form(form, chunk)
     refs = {"naive_recurrent_gated_delta_rule": fla_gated_delta_recurrent(fla),
             "naive_chunk_gated_delta_rule": fla_gated_delta_chunk(fla, chunk)}
     assert_twins(fn, refs, delta_inputs(length, beta_kind, True, seed=length + chunk),
@@ -348,11 +356,13 @@ def test_fla_delta_product_is_the_delta_rule_over_substeps(fla, n_h, beta_kind, 
 @pytest.mark.parametrize("beta_kind", list(BETAS))
 @pytest.mark.parametrize("length, chunk", [(5, 8), (16, 4), (37, 8)])
 @pytest.mark.parametrize("n_h", [1, 2, 3])
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("form", ["recurrent", "chunked", "fused"])
 def test_delta_product_matches_fla(fla, form, n_h, length, chunk, beta_kind, gated):
     """rnnlab's DeltaProduct forms against fla's naive_recurrent_gated_delta_product."""
     if form == "recurrent":
         fn = functools.partial(delta_product_recurrent, checkpoint_every=chunk)
+    elif form == "fused":
+        fn = fused.delta_rule
     else:
         fn = functools.partial(delta_product_chunked, chunk_size=chunk)
     if not gated:

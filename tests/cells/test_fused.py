@@ -1,0 +1,152 @@
+"""rnnlab.fused: the fused CPU kernel of the delta rule (DeltaNet, gated DeltaNet, DeltaProduct) against the JAX
+sequential form (itself checked against NumPy in test_matrix_forms and test_negative_eigenvalues): values, the
+final state and the gradients of every input, state in and out, at lengths that are and are not multiples of the
+kernel's checkpoint block; a model run with `model.time_scan=fused`; `auto`'s choice; the refusals."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import compose_config, fast_first
+from rnnlab import fused, models, native_build
+from rnnlab.cells.delta_product_forms import delta_product_recurrent
+from rnnlab.cells.delta_rule_forms import delta_rule_recurrent
+from rnnlab.config import ConfigError
+
+B, H, DK, DV = 2, 3, 8, 4
+
+
+def unit(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def inputs(length, n=None, gated=True, top=2.0, seed=0):
+    """q, k, v, beta, log_alpha (None where not gated), s0; beta in (0, top), a third near top (top = 2: the
+    transition's eigenvalue along k near -1)."""
+    rng = np.random.default_rng(seed)
+    sub = () if n is None else (n,)
+    beta = np.where(rng.random((length, B, H, *sub)) < 1 / 3, rng.uniform(top - 0.1, top - 0.02, (length, B, H, *sub)),
+                    rng.uniform(0.05, top - 0.05, (length, B, H, *sub)))
+    arrays = [unit(rng.normal(size=(length, B, H, DK))), unit(rng.normal(size=(length, B, H, *sub, DK))),
+              rng.normal(size=(length, B, H, *sub, DV)), beta,
+              rng.uniform(-2, 0, (length, B, H)) if gated else None, rng.normal(size=(B, H, DK, DV))]
+    return [None if a is None else jnp.asarray(a, jnp.float32) for a in arrays]
+
+
+def weighted(form):
+    """A scalar of a form's outputs and final state, for gradients of every input."""
+    def loss(q, k, v, beta, log_alpha, s0):
+        o, s = form(q, k, v, beta, log_alpha, s0)
+        shape_o, shape_s = o.shape, s.shape
+        return (jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(shape_o)))
+                + jnp.sum(s * jnp.sin(jnp.arange(s.size, dtype=jnp.float32).reshape(shape_s))))
+    return loss
+
+
+def reference(n):
+    if n is None:
+        return lambda q, k, v, beta, la, s0: delta_rule_recurrent(q, k, v, beta, la, 5, s0)
+    return lambda q, k, v, beta, la, s0: delta_product_recurrent(q, k, v, beta, la, 5, s0)
+
+
+# (length, n sub-steps (None: the delta rule), gated): lengths around the kernel's block of 16 tokens.
+# The fast tier: DeltaProduct's two sub-steps a token with the gate over a block and a part (the delta rule is its
+# n = 1); the rest in the full tier.
+CASES = [(21, 2, True), (37, None, True), (16, None, False), (1, 3, True), (33, 3, False), (48, None, True)]
+
+
+@pytest.mark.parametrize("length, n, gated", fast_first(CASES, why="cross-product"))
+def test_the_kernel_has_the_sequential_forms_values_state_and_gradients(length, n, gated):
+    args = inputs(length, n, gated)
+    argnums = tuple(i for i, a in enumerate(args) if a is not None)
+    theirs, ours = reference(n), fused.delta_rule
+    (o_ref, s_ref), (o, s) = jax.jit(theirs)(*args), jax.jit(lambda *a: ours(*a[:5], state=a[5]))(*args)
+    np.testing.assert_allclose(o, o_ref, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(s, s_ref, rtol=2e-5, atol=2e-5)
+    grads_ref = jax.jit(jax.grad(weighted(theirs), argnums))(*args)
+    grads = jax.jit(jax.grad(weighted(lambda *a: ours(*a[:5], state=a[5])), argnums))(*args)
+    for name, got, want in zip([("q", "k", "v", "beta", "log_alpha", "s0")[i] for i in argnums], grads, grads_ref):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+    # Without a state: from zeros, the outputs alone.
+    o_zero = jax.jit(lambda *a: ours(*a))(*args[:5])
+    np.testing.assert_allclose(o_zero, theirs(*args[:5], jnp.zeros_like(args[5]))[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("model, layers", fast_first([("gated_deltanet", 1), ("deltanet", 2), ("deltaproduct", 2)],
+                                                      why="cross-product"))
+def test_a_model_run_fused_equals_the_sequential_form(model, layers):
+    """The whole model (its convolution, gates, norms and readout around the kernel), in values and parameter
+    gradients, with negative eigenvalues allowed."""
+    results = {}
+    for form in ("sequential", "fused"):
+        config = compose_config([f"model={model}", f"model.time_scan={form}", "hidden_dim=16", f"num_layers={layers}",
+                                 "model.num_heads=2", "model.chunk_size=8", "model.allow_neg_eigval=true"])
+        net = models.build_model(config.model, output_dim=3, input_dim=5)
+        x = jax.random.randint(jax.random.key(1), (2, 19), 0, 5)
+        params = net.init(jax.random.key(0), x)["params"]
+        results[form] = jax.jit(jax.value_and_grad(lambda p: jnp.sum(jnp.tanh(net.apply({"params": p}, x)))))(params)
+    (value, grads), (value_ref, grads_ref) = results["fused"], results["sequential"]
+    np.testing.assert_allclose(value, value_ref, rtol=1e-5)
+    for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_ref)):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_bfloat16_inputs_run_in_float32_and_come_back_in_bfloat16():
+    q, k, v, beta, log_alpha, s0 = inputs(9)
+    o = fused.delta_rule(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), beta, log_alpha)
+    assert o.dtype == jnp.bfloat16
+    want = delta_rule_recurrent(*(a.astype(jnp.bfloat16).astype(jnp.float32) for a in (q, k, v)), beta, log_alpha, 5)
+    np.testing.assert_allclose(o.astype(jnp.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_auto_runs_the_kernel_on_a_cpu_and_the_jax_forms_elsewhere_or_without_it(monkeypatch, caplog):
+    assert fused.available() == (True, "")  # CI builds it: a test skipped where it cannot tests nothing
+    assert models.resolve_form("auto", "deltaproduct", "cpu") == "fused"
+    assert models.resolve_form("auto", "deltanet", "gpu") == "auto"
+    assert models.resolve_form("auto", "mamba", "cpu") == "auto"  # no fused form
+    assert models.resolve_form("chunked", "deltanet", "cpu") == "chunked"
+    with pytest.raises(ConfigError, match=r"^key 'model.time_scan': got 'fused', a CPU kernel, but this run's devices "
+                                          r"are gpu; allowed: auto or a JAX form of cell 'deltanet'$"):
+        models.resolve_form("fused", "deltanet", "gpu")
+    monkeypatch.setattr(fused, "available", lambda: (False, "no C++ compiler (g++) on PATH"))
+    models._notice_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=models.log.name):
+        assert models.resolve_form("auto", "gated_deltanet", "cpu") == "auto"
+        assert models.resolve_form("auto", "gated_deltanet", "cpu") == "auto"
+    assert [r.getMessage() for r in caplog.records] == [
+        "model.time_scan=auto: no C++ compiler (g++) on PATH; running the JAX forms instead of the fused kernel"]
+
+
+def test_fused_by_name_is_refused_in_one_line_where_it_cannot_run(monkeypatch):
+    with pytest.raises(ConfigError) as info:
+        compose_config(["model=deltanet", "model.time_scan=fused", "device.platform=gpu"])
+    assert str(info.value) == ("key 'model.time_scan': got 'fused', a CPU kernel, but device.platform is gpu; "
+                               "allowed: auto or a JAX form of cell 'deltanet'")
+    monkeypatch.setattr(fused, "available", lambda: (False, "no C++ compiler (g++) on PATH"))
+    with pytest.raises(ConfigError) as info:
+        compose_config(["model=deltaproduct", "model.time_scan=fused"])
+    assert str(info.value) == ("key 'model.time_scan': got 'fused', but its kernel cannot be built here (no C++ "
+                               "compiler (g++) on PATH); allowed: auto, sequential, chunked")
+    with pytest.raises(ConfigError, match=r"^key 'model.pattern_keys.gated_deltanet.time_scan': got 'fused'"):
+        compose_config(["model=attention", "model.pattern=[attention,gated_deltanet]", "num_layers=2",
+                        "+model.pattern_keys.gated_deltanet.time_scan=fused"])
+
+
+def test_a_kernel_that_cannot_compile_says_why_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(RuntimeError, match="^compiling delta_rule.cc failed"):
+        native_build.build(fused.SOURCE, fused.FLAGS)
+    assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.so"))
+
+
+def test_the_fused_forms_flops_are_its_steps():
+    """Per token and head: n sub-steps of k S and the rank-one write (4 d^2 each), q S once (2 d^2); the backward
+    reruns the sub-steps."""
+    config = compose_config(["model=deltaproduct", "hidden_dim=32", "model.num_heads=2", "model.num_householder=3"])
+    cell = config.model.make_cell()
+    assert cell.recurrence_flops(10, "fused") == 2 * 10 * (4 * 3 + 2) * 16 * 16
+    assert cell.mixing_recompute_flops(10, "fused") == 2 * 10 * 4 * 3 * 16 * 16
