@@ -1,7 +1,7 @@
 """Compiling the lab's C++ kernels (rnnlab/native/*.cc) into shared libraries on first use, cached per machine.
 
 A kernel is built with the C++ compiler on PATH (or $CXX) against JAX's FFI headers, into
-`files.cache_dir()/native/<stem>-<hash>.so`: the name hashes the source, the compiler, the flags, jaxlib and
+`files.cache_dir()/native/<stem>-<hash>.so`: the name hashes the source (and the headers beside it), the compiler, the flags, jaxlib and
 the CPU's instruction-set flags, so an edit, an upgrade or another machine builds anew and a build is never
 run on a CPU it was not made for. Concurrent builds write temporary files and rename them into place.
 """
@@ -49,7 +49,8 @@ def build(source: Path, flags: list[str], libraries: list[str] = ()) -> Path:
     if not compiler:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     include = jax.ffi.include_dir()
-    parts = [source.read_bytes(), compiler.encode(), " ".join([*flags, *libraries]).encode(), jax.__version__.encode(),
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    parts = [source.read_bytes(), *headers, compiler.encode(), " ".join([*flags, *libraries]).encode(), jax.__version__.encode(),
              include.encode(), cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     out = cache_dir() / f"{source.stem}-{key}.so"

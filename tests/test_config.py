@@ -104,7 +104,9 @@ def traced_model(model_config, task):
 
     from rnnlab.models import build_model
 
-    model = build_model(model_config, task.output_dim, "gpu", task.input_dim)  # gpu: no oneDNN layer
+    # gpu: no oneDNN layer (the fused form: a CPU kernel, the same whichever recurrence)
+    model = build_model(model_config, task.output_dim, "cpu" if model_config.time_scan == "fused" else "gpu",
+                        task.input_dim)
     x = task.input_spec(2)
     params = jax.eval_shape(model.init, jax.random.key(0), x)
     return str(jax.make_jaxpr(lambda p, x: model.apply(p, x)[0].sum())(params, x))
@@ -147,7 +149,7 @@ def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backwar
      "key 'model.recurrence': got 'custom_vjp', but cell 'rwkv7' has no hand-written backward; allowed: autodiff"),
     (["model=gla", "model.recurrence=custom_vjp"],
      "key 'model.recurrence': got 'custom_vjp', but cell 'gla' has a hand-written backward only in its form "
-     "associative, not in model.time_scan=chunked; allowed: autodiff, or model.time_scan=associative"),
+     "associative, not in model.time_scan=auto; allowed: autodiff, or model.time_scan=associative"),
 ])
 def test_config_exit_refuses_custom_vjp_where_it_would_run_autodiff(overrides, message):
     import train

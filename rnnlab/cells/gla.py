@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab import fused
 from rnnlab.cells.gla_forms import gla_chunked, gla_recurrent, pow2_ceil
 from rnnlab.cells.matrix import MatrixCell, padded_length, with_state
 from rnnlab.cells.registry import register_cell
@@ -32,8 +33,11 @@ GATE_NORMALIZER = 16.0
 class GLA(MatrixCell):
     name = "gla"
     output_gate = True
-    time_scans = ("sequential", "associative", "chunked")
+    time_scans = ("sequential", "associative", "chunked", "fused")  # fused: `rnnlab.fused.gated_linear`, CPU
     backward_forms = ("associative",)  # custom_vjp: linear_recurrence's backward; the others by autodiff
+    # model.time_scan=auto: fused on a CPU where the kernel builds (`rnnlab.models.build_model`), else chunked
+    default_time_scan = "auto"
+    long_form = "chunked"
     gated = True
 
     def extra_width(self):
@@ -51,6 +55,8 @@ class GLA(MatrixCell):
             return with_state(gla_chunked(q, k, v, log_alpha, min(self.chunk_size, q.shape[0]), state), state)
         if time_scan == "sequential":
             return with_state(gla_recurrent(q, k, v, log_alpha, self.chunk_size, state=state), state)
+        if time_scan == "fused":
+            return with_state(fused.gated_linear(q, k, v, jnp.exp(log_alpha), state), state)
         a = jnp.broadcast_to(jnp.exp(log_alpha)[..., None], (*k.shape, v.shape[-1]))
         b = (k[..., :, None] * v[..., None, :]).astype(jnp.float32)
         if state is not None:  # S_0 = a_0 S_{-1} + b_0: the state folds into the first step's b
@@ -65,13 +71,17 @@ class GLA(MatrixCell):
             return heads * seq_len * 2 * d * d  # q_t S_t
         if time_scan == "sequential":  # k_t^T v_t and q_t S_t per step, over whole blocks
             return heads * padded_length(seq_len, self.chunk_size) * 4 * d * d
+        if time_scan == "fused":  # the same per step, no padding
+            return heads * seq_len * 4 * d * d
         c = min(self.chunk_size, seq_len)
         s = pow2_ceil(c)  # the scores: s diagonal entries, then (s - 1) s / 2 pairs, each a d-long product
         per_chunk = d * s * (s + 1) + 2 * c * c * d + 4 * c * d * d  # scores, A V, K^T V, Q S
         return heads * (padded_length(seq_len, c) // c) * per_chunk
 
     def mixing_recompute_flops(self, seq_len, time_scan):
-        d = self.head_dim  # the sequential form's backward reruns each block's state updates k_t^T v_t
+        d = self.head_dim  # the sequential and fused forms' backward reruns each block's state updates k_t^T v_t
+        if time_scan == "fused":
+            return self.num_heads * seq_len * 2 * d * d
         return self.num_heads * padded_length(seq_len, self.chunk_size) * 2 * d * d if time_scan == "sequential" else 0
 
 

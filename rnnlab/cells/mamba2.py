@@ -38,6 +38,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rnnlab import fused
 from rnnlab.cells.common import (a_log_uniform_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
                                  torch_linear_init)
 from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
@@ -59,8 +60,11 @@ class Mamba2(SequenceCell):
     allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba2"
-    time_scans = ("sequential", "chunked")
-    default_time_scan = "chunked"  # conf/model/mamba2.yaml's (init, recurrence: SequenceCell's)
+    time_scans = ("sequential", "chunked", "fused")  # fused: `rnnlab.fused.gated_linear`, CPU
+    # conf/model/mamba2.yaml's (init, recurrence: SequenceCell's): fused on a CPU where the kernel builds
+    # (`rnnlab.models.build_model`), else chunked
+    default_time_scan = "auto"
+    long_form = "chunked"
     input_bias = False  # the reference's in_proj has no bias
 
     @property
@@ -117,6 +121,8 @@ class Mamba2(SequenceCell):
         xs, b_in, c_out = jnp.split(jax.nn.silu(xbc).astype(jnp.float32), [d, d + n], axis=-1)
         delta = jax.nn.softplus(dt.astype(jnp.float32) + params["dt_bias"])  # [T, B, heads]
         log_alpha, negative = delta * -jnp.exp(params["A_log"]), None
+        # The transition as a value, for the fused kernel: exp(Delta A), or 2 exp(Delta A) - 1 (exact near 1)
+        transition = 1 + 2 * jnp.expm1(log_alpha) if self.allow_neg_eigval else jnp.exp(log_alpha)
         if self.allow_neg_eigval:
             log_alpha, negative = doubled_decay(log_alpha)
         xs = xs.reshape(*xs.shape[:2], heads, self.head_width)  # [T, B, heads, P]
@@ -125,6 +131,8 @@ class Mamba2(SequenceCell):
         s0 = None if state is None else state["ssm"]
         if time_scan == "chunked":
             y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]), negative, state=s0)
+        elif time_scan == "fused":  # one group of q and k, shared by the heads; one transition per head
+            y = fused.gated_linear(q, k, v, transition, s0)
         else:
             shape = (*v.shape[:3], n)
             per_key = lambda a: None if a is None else jnp.broadcast_to(a[..., None], shape)  # noqa: E731
@@ -155,6 +163,8 @@ class Mamba2(SequenceCell):
         out = 2 * d * self.hidden_dim * seq_len
         if time_scan == "sequential":  # k_t^T v_t and q_t S_t per head and step, over whole blocks
             return out + heads * padded_length(seq_len, self.chunk_size) * 4 * n * p
+        if time_scan == "fused":  # the same per step, no padding
+            return out + heads * seq_len * 4 * n * p
         c = min(self.chunk_size, seq_len)
         chunks = padded_length(seq_len, c) // c
         per_chunk = 2 * c * c * n + heads * (2 * c * c * p + 4 * c * n * p)  # C B^T once; scores x, B^T x, C S
@@ -162,6 +172,8 @@ class Mamba2(SequenceCell):
 
     def mixing_recompute_flops(self, seq_len, time_scan):
         # the sequential form's backward reruns each block's state updates k_t^T v_t
+        if time_scan == "fused":
+            return self.num_heads * seq_len * 2 * self.state_size * self.head_width
         if time_scan != "sequential":
             return 0
         return self.num_heads * padded_length(seq_len, self.chunk_size) * 2 * self.state_size * self.head_width

@@ -30,9 +30,11 @@
 #include <mutex>
 #include <vector>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+using rnnlab::ParallelFor;
 
 namespace {
 
@@ -42,42 +44,6 @@ struct Dims {
   int64_t blocks() const { return (t + block - 1) / block; }
   int64_t state() const { return dk * dv; }
 };
-
-// Runs body(item) for item in [0, count) on the caller and on XLA's pool; returns when every item is done.
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mutex;
-  std::condition_variable finished;
-};
-
-void ParallelFor(ffi::ThreadPool* pool, int64_t count, const std::function<void(int64_t)>& body) {
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads(), count) - 1 : 0;
-  if (helpers <= 0) {
-    for (int64_t i = 0; i < count; ++i) body(i);
-    return;
-  }
-  auto shared = std::make_shared<Shared>();
-  // `body` lives on the caller's stack: a late task must not touch it once every item is done, so tasks reach it
-  // only through an item they took (next < count), and the caller returns only after `done` reaches count.
-  const std::function<void(int64_t)>* work = &body;
-  auto run = [shared, work, count] {
-    for (int64_t i; (i = shared->next.fetch_add(1)) < count;) {
-      (*work)(i);
-      if (shared->done.fetch_add(1) + 1 == count) {
-        std::lock_guard<std::mutex> lock(shared->mutex);
-        shared->finished.notify_all();
-      }
-    }
-  };
-  for (int64_t i = 0; i < helpers; ++i) {
-    auto task = run;  // Schedule takes its task by value
-    pool->Schedule(std::move(task));
-  }
-  run();
-  std::unique_lock<std::mutex> lock(shared->mutex);
-  shared->finished.wait(lock, [&] { return shared->done.load() == count; });
-}
 
 // Strides (in floats) of one time step of each input, and the offset of an item (row, head) in it.
 struct Index {

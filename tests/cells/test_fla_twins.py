@@ -259,12 +259,18 @@ def test_gated_delta_rule_matches_fla(fla, form, length, chunk, beta_kind):
 
 # --- GLA, and one gate per head (Mamba-2's SSD) ---------------------------------------------------------------------
 
+def fused_gla(q, k, v, log_alpha):
+    """The fused CPU kernel (`rnnlab.fused.gated_linear`) with gla_recurrent's arguments (log-decays per key channel,
+    or [T, B, h] one per head)."""
+    return fused.gated_linear(q, k, v, jnp.exp(log_alpha))
+
+
 @pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("form", ["recurrent", "chunked", "fused"])
 def test_gla_matches_fla(fla, form, length, chunk):
     """GLA, a gate per key channel, against fla's naive_recurrent_gla."""
     fn = (functools.partial(gla_recurrent, checkpoint_every=chunk) if form == "recurrent"
-          else functools.partial(gla_chunked, chunk_size=chunk))
+          else fused_gla if form == "fused" else functools.partial(gla_chunked, chunk_size=chunk))
     assert_twins(fn, {"naive_recurrent_gla": fla_gla_recurrent(fla)},
                  gla_inputs(length, per_channel=True, seed=length + chunk), "q k v log_alpha".split())
 
@@ -278,12 +284,12 @@ def gla_recurrent_per_head(q, k, v, log_alpha, checkpoint_every):
 
 @pytest.mark.parametrize("groups", [H, 1])
 @pytest.mark.parametrize("length, chunk", LENGTH_CHUNKS)
-@pytest.mark.parametrize("form", ["ssd_chunked", "gla_recurrent"])
+@pytest.mark.parametrize("form", ["ssd_chunked", "gla_recurrent", "fused"])
 def test_scalar_gate_matches_fla_simple_gla(fla, form, length, chunk, groups):
     """One gate per head (SSD; q, k one per head, or one group shared by the heads as Mamba-2's C and B)
     against fla's naive_recurrent_ and naive_chunk_simple_gla."""
     fn = (functools.partial(ssd_chunked, chunk_size=chunk) if form == "ssd_chunked"
-          else functools.partial(gla_recurrent_per_head, checkpoint_every=chunk))
+          else fused_gla if form == "fused" else functools.partial(gla_recurrent_per_head, checkpoint_every=chunk))
     refs = {"naive_recurrent_simple_gla": fla_simple_gla_recurrent(fla),
             "naive_chunk_simple_gla": fla_simple_gla_chunk(fla, chunk)}
     assert_twins(fn, refs, gla_inputs(length, per_channel=False, seed=length + chunk, groups=groups),

@@ -1,5 +1,5 @@
-"""rnnlab.fused: the fused CPU kernel of the delta rule (DeltaNet, gated DeltaNet, DeltaProduct) against the JAX
-sequential form (itself checked against NumPy in test_matrix_forms and test_negative_eigenvalues): values, the
+"""rnnlab.fused: the fused CPU kernels of the delta rule (DeltaNet, gated DeltaNet, DeltaProduct) and of gated linear
+attention (GLA, linear attention, Mamba-2) against the JAX sequential forms (itself checked against NumPy in test_matrix_forms and test_negative_eigenvalues): values, the
 final state and the gradients of every input, state in and out, at lengths that are and are not multiples of the
 kernel's checkpoint block; a model run with `model.time_scan=fused`; `auto`'s choice; the refusals."""
 
@@ -14,6 +14,7 @@ from conftest import compose_config, fast_first
 from rnnlab import fused, models, native_build
 from rnnlab.cells.delta_product_forms import delta_product_recurrent
 from rnnlab.cells.delta_rule_forms import delta_rule_recurrent
+from rnnlab.cells.gla_forms import gla_recurrent
 from rnnlab.config import ConfigError
 
 B, H, DK, DV = 2, 3, 8, 4
@@ -38,8 +39,8 @@ def inputs(length, n=None, gated=True, top=2.0, seed=0):
 
 def weighted(form):
     """A scalar of a form's outputs and final state, for gradients of every input."""
-    def loss(q, k, v, beta, log_alpha, s0):
-        o, s = form(q, k, v, beta, log_alpha, s0)
+    def loss(*args):
+        o, s = form(*args)
         shape_o, shape_s = o.shape, s.shape
         return (jnp.sum(o * jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(shape_o)))
                 + jnp.sum(s * jnp.sin(jnp.arange(s.size, dtype=jnp.float32).reshape(shape_s))))
@@ -75,15 +76,23 @@ def test_the_kernel_has_the_sequential_forms_values_state_and_gradients(length, 
     np.testing.assert_allclose(o_zero, theirs(*args[:5], jnp.zeros_like(args[5]))[0], rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("model, layers", fast_first([("gated_deltanet", 1), ("deltanet", 2), ("deltaproduct", 2)],
-                                                      why="cross-product"))
-def test_a_model_run_fused_equals_the_sequential_form(model, layers):
+# (model, its overrides): each kernel once in the fast tier, every cell with a fused form in the full tier.
+MODELS = [("gated_deltanet", ["num_layers=1", "model.num_heads=2", "model.allow_neg_eigval=true"]),
+          ("mamba2", ["num_layers=1", "model.head_dim=8", "model.state_size=4", "model.allow_neg_eigval=true"]),
+          ("deltanet", ["model.num_heads=2"]), ("deltaproduct", ["model.num_heads=2", "model.allow_neg_eigval=true"]),
+          ("gla", ["model.num_heads=2"]), ("linear_attention", ["model.num_heads=2"]),
+          ("mamba2", ["model.head_dim=8", "model.state_size=4"])]
+
+
+@pytest.mark.parametrize("model, overrides", fast_first(MODELS, keep=2, why="cross-product"),
+                         ids=lambda v: v if isinstance(v, str) else "-".join(v))
+def test_a_model_run_fused_equals_the_sequential_form(model, overrides):
     """The whole model (its convolution, gates, norms and readout around the kernel), in values and parameter
-    gradients, with negative eigenvalues allowed."""
+    gradients."""
     results = {}
     for form in ("sequential", "fused"):
-        config = compose_config([f"model={model}", f"model.time_scan={form}", "hidden_dim=16", f"num_layers={layers}",
-                                 "model.num_heads=2", "model.chunk_size=8", "model.allow_neg_eigval=true"])
+        config = compose_config([f"model={model}", f"model.time_scan={form}", "hidden_dim=16", "num_layers=2",
+                                 "model.chunk_size=8", *overrides])
         net = models.build_model(config.model, output_dim=3, input_dim=5)
         x = jax.random.randint(jax.random.key(1), (2, 19), 0, 5)
         params = net.init(jax.random.key(0), x)["params"]
@@ -92,6 +101,36 @@ def test_a_model_run_fused_equals_the_sequential_form(model, layers):
     np.testing.assert_allclose(value, value_ref, rtol=1e-5)
     for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_ref)):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+# (length, per head: one transition per head and one q, k group shared by the heads, as Mamba-2's) around the block.
+GLA_CASES = [(21, True), (37, False), (16, False), (1, True)]
+
+
+@pytest.mark.parametrize("length, per_head", fast_first(GLA_CASES, why="cross-product"))
+def test_the_gated_linear_kernel_has_the_sequential_forms_values_state_and_gradients(length, per_head):
+    rng = np.random.default_rng(length)
+    group = 1 if per_head else H
+    q, k = (jnp.asarray(rng.normal(size=(length, B, group, DK)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(length, B, H, DV)), jnp.float32)
+    log_alpha = jnp.asarray(rng.uniform(-2, 0, (length, B, H) if per_head else (length, B, H, DK)), jnp.float32)
+    s0 = jnp.asarray(rng.normal(size=(B, H, DK, DV)), jnp.float32)
+    shape = (length, B, H, DK)
+
+    def theirs(q, k, v, la, s0):
+        la = jnp.broadcast_to(la[..., None], shape) if per_head else la
+        return gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v, la, 5, state=s0)
+
+    def ours(q, k, v, la, s0):
+        return fused.gated_linear(q, k, v, jnp.exp(la), s0)
+
+    args = (q, k, v, log_alpha, s0)
+    for got, want in zip(jax.jit(ours)(*args), jax.jit(theirs)(*args)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    grads = jax.jit(jax.grad(weighted(ours), range(5)))(*args)
+    for name, got, want in zip(("q", "k", "v", "log_alpha", "s0"), grads,
+                               jax.jit(jax.grad(weighted(theirs), range(5)))(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
 def test_bfloat16_inputs_run_in_float32_and_come_back_in_bfloat16():
