@@ -10,8 +10,10 @@ checkpoint rather than storing every step. The kernels (rnnlab/native/*.cc) are 
 The delta rule's kernel (`delta_rule`) runs DeltaNet, gated DeltaNet and DeltaProduct (n sub-steps a token):
 the same equations and layouts as `rnnlab.cells.delta_rule_forms` and `rnnlab.cells.delta_product_forms`.
 Gated linear attention's (`gated_linear`) runs GLA, linear attention and Mamba-2: `gla_forms.gla_recurrent`'s
-equations, with the transitions given as values (one per key row, or one per head). Both compute in float32 (other
-dtypes are computed in float32 and cast back).
+equations, with the transitions given as values (one per key row, or one per head). The DPLR delta rule's (`dplr`)
+runs RWKV-7: `dplr_forms.dplr_recurrent`'s equations. Mamba's selective scan (`selective_scan`): `mamba.selective_ssm`'s.
+All compute in float32 (other dtypes are computed in float32
+and cast back).
 """
 
 from __future__ import annotations
@@ -25,7 +27,13 @@ SOURCE = native_build.NATIVE / "delta_rule.cc"
 FORWARD, BACKWARD = "rnnlab_delta_rule_forward", "rnnlab_delta_rule_backward"
 GLA_SOURCE = native_build.NATIVE / "gated_linear.cc"
 GLA_FORWARD, GLA_BACKWARD = "rnnlab_gated_linear_forward", "rnnlab_gated_linear_backward"
+DPLR_SOURCE = native_build.NATIVE / "dplr.cc"
+DPLR_FORWARD, DPLR_BACKWARD = "rnnlab_dplr_forward", "rnnlab_dplr_backward"
+SCAN_SOURCE = native_build.NATIVE / "selective_scan.cc"
+SCAN_FORWARD, SCAN_BACKWARD = "rnnlab_selective_scan_forward", "rnnlab_selective_scan_backward"
 FLAGS = ["-O3", "-std=c++17", "-march=native", "-fno-math-errno"]
+# The selective scan's exp per state element: vectorised (glibc's libmvec) only where the compiler may reorder math
+SCAN_FLAGS = [*FLAGS, "-ffast-math"]
 # Tokens between the states the forward keeps for the backward: the backward recomputes a block's states into a
 # buffer of block x (n + 1) states per row and head, small enough to stay in cache at the zoo's head widths.
 BLOCK = 16
@@ -35,6 +43,10 @@ _loaders = [
                         {FORWARD: "RnnlabDeltaRuleForward", BACKWARD: "RnnlabDeltaRuleBackward"}),
     native_build.Loader(lambda: native_build.build(GLA_SOURCE, FLAGS),
                         {GLA_FORWARD: "RnnlabGatedLinearForward", GLA_BACKWARD: "RnnlabGatedLinearBackward"}),
+    native_build.Loader(lambda: native_build.build(DPLR_SOURCE, FLAGS),
+                        {DPLR_FORWARD: "RnnlabDplrForward", DPLR_BACKWARD: "RnnlabDplrBackward"}),
+    native_build.Loader(lambda: native_build.build(SCAN_SOURCE, SCAN_FLAGS),
+                        {SCAN_FORWARD: "RnnlabSelectiveScanForward", SCAN_BACKWARD: "RnnlabSelectiveScanBackward"}),
 ]
 
 
@@ -57,35 +69,47 @@ def _require() -> None:
         raise RuntimeError(f"model.time_scan=fused: {why}")
 
 
-def _forward(q, k, v, beta, log_alpha, s0):
-    _require()
-    length, batch, heads, _, dv = v.shape
-    blocks = -(-length // BLOCK)
-    outputs = (jax.ShapeDtypeStruct((length, batch, heads, dv), jnp.float32),
-               jax.ShapeDtypeStruct(s0.shape, jnp.float32),
-               jax.ShapeDtypeStruct((blocks, *s0.shape), jnp.float32))
-    return jax.ffi.ffi_call(FORWARD, outputs, vmap_method="sequential")(q, k, v, beta, log_alpha, s0, block=BLOCK)
+def _kernel(forward: str, backward: str, out_shape, per_row: tuple[int, ...] = (), **attrs):
+    """The differentiable call `(*inputs, s0) -> (out, s_last)` of a kernel pair: the forward FFI target returns
+    (out, of shape `out_shape(*inputs)`, s_last, the state every BLOCK steps), the backward target takes the inputs, those
+    checkpoints and the two cotangents and returns every input's gradient and s0's. `per_row`: the inputs whose
+    gradient comes per batch row (a leading axis of s0's batch, summed here: a parameter shared by the rows)."""
+
+    def run_forward(*args):
+        _require()
+        *inputs, s0 = args
+        outputs = (jax.ShapeDtypeStruct(out_shape(*inputs), jnp.float32),
+                   jax.ShapeDtypeStruct(s0.shape, jnp.float32),
+                   jax.ShapeDtypeStruct((-(-inputs[0].shape[0] // BLOCK), *s0.shape), jnp.float32))
+        return jax.ffi.ffi_call(forward, outputs, vmap_method="sequential")(*args, block=BLOCK, **attrs)
+
+    @jax.custom_vjp
+    def call(*args):
+        return tuple(run_forward(*args)[:2])
+
+    def call_fwd(*args):
+        out, s_last, checkpoints = run_forward(*args)
+        return (out, s_last), (*args[:-1], checkpoints)
+
+    def call_bwd(saved, cotangents):
+        *inputs, checkpoints = saved
+        batch = checkpoints.shape[1]
+        shapes = [((batch,) if i in per_row else ()) + x.shape for i, x in enumerate(inputs)] + [checkpoints.shape[1:]]
+        grads = jax.ffi.ffi_call(backward, tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes),
+                                 vmap_method="sequential")(*inputs, checkpoints, *cotangents, block=BLOCK, **attrs)
+        return tuple(jnp.sum(g, axis=0) if i in per_row else g for i, g in enumerate(grads))
+
+    call.defvjp(call_fwd, call_bwd)
+    return call
 
 
-@jax.custom_vjp
-def _delta_rule(q, k, v, beta, log_alpha, s0):
-    return _forward(q, k, v, beta, log_alpha, s0)[:2]
-
-
-def _delta_rule_fwd(q, k, v, beta, log_alpha, s0):
-    o, s_last, checkpoints = _forward(q, k, v, beta, log_alpha, s0)
-    return (o, s_last), (q, k, v, beta, log_alpha, checkpoints)
-
-
-def _delta_rule_bwd(saved, cotangents):
-    q, k, v, beta, log_alpha, checkpoints = saved
-    d_o, ds_last = cotangents
-    outputs = tuple(jax.ShapeDtypeStruct(a.shape, jnp.float32) for a in (q, k, v, beta, log_alpha, checkpoints[0]))
-    return tuple(jax.ffi.ffi_call(BACKWARD, outputs, vmap_method="sequential")(
-        q, k, v, beta, log_alpha, checkpoints, d_o, ds_last, block=BLOCK))
-
-
-_delta_rule.defvjp(_delta_rule_fwd, _delta_rule_bwd)
+# Each kernel's call, its inputs in its FFI handler's order (rnnlab/native/*.cc).
+_delta_rule = _kernel(FORWARD, BACKWARD, lambda q, k, v, *_: (*q.shape[:3], v.shape[-1]))  # q, k, v, beta, log_alpha
+_gated_linear = _kernel(GLA_FORWARD, GLA_BACKWARD, lambda q, k, v, a: v.shape)  # q, k, v, a
+_dplr = _kernel(DPLR_FORWARD, DPLR_BACKWARD, lambda q, k, a, b, w, v: v.shape)  # q, k, a, b, w, v
+# delta, x, b, c, a (dA comes per row); Grazzi et al.'s decay is the kernel's `negative` attribute
+_selective_scan = {negative: _kernel(SCAN_FORWARD, SCAN_BACKWARD, lambda delta, *_: delta.shape, per_row=(4,),
+                                     negative=negative) for negative in (False, True)}
 
 
 def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, log_alpha: jax.Array | None = None,
@@ -108,35 +132,6 @@ def delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, beta: jax.Array, log_al
     return o if state is None else (o, s_last)
 
 
-def _gla_forward(q, k, v, a, s0):
-    _require()
-    length = q.shape[0]
-    outputs = (jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(s0.shape, jnp.float32),
-               jax.ShapeDtypeStruct((-(-length // BLOCK), *s0.shape), jnp.float32))
-    return jax.ffi.ffi_call(GLA_FORWARD, outputs, vmap_method="sequential")(q, k, v, a, s0, block=BLOCK)
-
-
-@jax.custom_vjp
-def _gated_linear(q, k, v, a, s0):
-    return _gla_forward(q, k, v, a, s0)[:2]
-
-
-def _gated_linear_fwd(q, k, v, a, s0):
-    o, s_last, checkpoints = _gla_forward(q, k, v, a, s0)
-    return (o, s_last), (q, k, v, a, checkpoints)
-
-
-def _gated_linear_bwd(saved, cotangents):
-    q, k, v, a, checkpoints = saved
-    d_o, ds_last = cotangents
-    outputs = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v, a, checkpoints[0]))
-    return tuple(jax.ffi.ffi_call(GLA_BACKWARD, outputs, vmap_method="sequential")(
-        q, k, v, a, checkpoints, d_o, ds_last, block=BLOCK))
-
-
-_gated_linear.defvjp(_gated_linear_fwd, _gated_linear_bwd)
-
-
 def gated_linear(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, state: jax.Array | None = None):
     """S_t = diag(a_t) S_{t-1} + k_t^T v_t, o_t = q_t S_t, in the fused kernel. q, k: [T, B, h, dk] (a head axis of 1
     is shared by the heads); v: [T, B, h, dv]; a, the transitions: [T, B, h, dk] or [T, B, h] (one per head)
@@ -150,3 +145,26 @@ def gated_linear(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, state: 
     o, s_last = _gated_linear(f32(q), f32(k), v.astype(jnp.float32), a.astype(jnp.float32), s0.astype(jnp.float32))
     o = o.astype(jnp.result_type(q, k, v))
     return o if state is None else (o, s_last)
+
+
+def dplr(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, log_w: jax.Array,
+         state: jax.Array | None = None):
+    """S_t = (diag(exp(log_w_t)) + b_t^T a_t) S_{t-1} + k_t^T v_t, o_t = q_t S_t (`dplr_forms.dplr_recurrent`'s
+    arguments) in the fused kernel. q, k, a, b, log_w: [T, B, h, dk]; v: [T, B, h, dv] -> o: [T, B, h, dv] in the
+    inputs' dtype, or given `state` (S_0: float32 [B, h, dk, dv]), (o, S_T)."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    length, batch, heads, dk = q.shape
+    s0 = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32) if state is None else state
+    o, s_last = _dplr(f32(q), f32(k), f32(a), f32(b), jnp.exp(f32(log_w)), f32(v), f32(s0))
+    o = o.astype(jnp.result_type(q, k, v))
+    return o if state is None else (o, s_last)
+
+
+def selective_scan(delta: jax.Array, xs: jax.Array, b_in: jax.Array, c_out: jax.Array, a: jax.Array,
+                   h0: jax.Array | None = None, allow_neg_eigval: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(y_t = h_t C_t for each t, h_T), h_t = dec(Delta_t A) * h_{t-1} + (Delta_t x_t) B_t from `h0` (None: zeros),
+    dec = exp, or 2 exp - 1 with `allow_neg_eigval`, in the fused kernel (`rnnlab.cells.mamba.selective_ssm`'s
+    arguments): delta, xs: f32[T, B, D]; b_in, c_out: f32[T, B, N]; a: f32[D, N]; h0: f32[B, D, N]."""
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    h0 = jnp.zeros((*delta.shape[1:], a.shape[-1]), jnp.float32) if h0 is None else h0
+    return _selective_scan[bool(allow_neg_eigval)](f32(delta), f32(xs), f32(b_in), f32(c_out), f32(a), f32(h0))

@@ -130,6 +130,8 @@ def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backwar
                                                          remat=False), task)
                      != traced_model(dataclasses.replace(base.model, time_scan=f, recurrence="custom_vjp",
                                                          remat=False), task) for f in time_scans}
+    # The fused form's backward is its kernel's (rnnlab.fused), hand-written, whichever recurrence: custom_vjp names it
+    runs_backward = {f: True if f == "fused" else changes for f, changes in runs_backward.items()}
     for form in (*time_scans, "auto"):  # auto may run any form
         changes = all(runs_backward.values()) if form == "auto" else runs_backward[form]
         try:
@@ -145,11 +147,11 @@ def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backwar
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=rwkv7", "model.recurrence=custom_vjp"],
-     "key 'model.recurrence': got 'custom_vjp', but cell 'rwkv7' has no hand-written backward; allowed: autodiff"),
+    (["model=mlstm", "model.recurrence=custom_vjp"],
+     "key 'model.recurrence': got 'custom_vjp', but cell 'mlstm' has no hand-written backward; allowed: autodiff"),
     (["model=gla", "model.recurrence=custom_vjp"],
-     "key 'model.recurrence': got 'custom_vjp', but cell 'gla' has a hand-written backward only in its form "
-     "associative, not in model.time_scan=auto; allowed: autodiff, or model.time_scan=associative"),
+     "key 'model.recurrence': got 'custom_vjp', but cell 'gla' has a hand-written backward only in its forms "
+     "associative, fused, not in model.time_scan=auto; allowed: autodiff, or model.time_scan=associative|fused"),
 ])
 def test_config_exit_refuses_custom_vjp_where_it_would_run_autodiff(overrides, message):
     import train

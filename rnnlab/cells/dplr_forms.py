@@ -127,6 +127,8 @@ def dplr_flops(seq_len: int, heads: int, dk: int, dv: int, time_scan: str, chunk
     if time_scan == "sequential":  # a_t S, b_t^T (a_t S), k_t^T v_t, q_t S_t per step, over whole blocks
         block = min(chunk_size, seq_len)
         return heads * (-(-seq_len // block) * block) * 8 * dk * dv
+    if time_scan == "fused":  # the same per step (`rnnlab.fused.dplr`), no padding
+        return heads * seq_len * 8 * dk * dv
     c = min(chunk_size, seq_len)
     s = 1 << (c - 1).bit_length()
     per_chunk = (4 * dk * s * (s + 1)  # the four score matrices (intra_chunk_scores)
@@ -137,7 +139,9 @@ def dplr_flops(seq_len: int, heads: int, dk: int, dv: int, time_scan: str, chunk
 
 
 def dplr_recompute_flops(seq_len: int, heads: int, dk: int, dv: int, time_scan: str, chunk_size: int) -> int:
-    """Matmul FLOPs the backward reruns: the sequential form's state updates of each checkpointed block."""
+    """Matmul FLOPs the backward reruns: the sequential and fused forms' state updates of each checkpointed block."""
+    if time_scan == "fused":
+        return heads * seq_len * 6 * dk * dv
     if time_scan != "sequential":
         return 0
     block = min(chunk_size, seq_len)

@@ -34,6 +34,10 @@ run in float32 whatever `model.dtype`, as the reference implementation runs its 
                               [B, D, N] state; autodiff: `jax.grad` of each `jax.checkpoint`ed chunk
                               (`gla_forms.block_checkpoint_scan`).
 
+    fused                     the selective scan in one C++ loop per batch row on a CPU (`rnnlab.fused`:
+                              the state kept in cache as [N, D], exp vectorised over the channels; the
+                              backward recomputes 16-step blocks from checkpoints).
+
 Every form carries a state (`initial_state`): h and the conv's last K-1 inputs.
 
 Parameters and initialisation as in the reference code (`mamba_simple.py`): A = -(1, ..., N) for every
@@ -55,6 +59,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab import fused
 from rnnlab.cells.common import (a_log_s4d_real_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
                                  torch_linear_init)
 from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
@@ -177,12 +182,15 @@ class Mamba(SequenceCell):
     allow_neg_eigval: bool = False  # the decay 2 exp(Delta A) - 1 in (-1, 1) (Grazzi et al. 2025), not exp(Delta A)
 
     name = "mamba"
-    time_scans = ("sequential", "associative", "chunked")
-    backward_forms = time_scans  # custom_vjp: linear_recurrence's backward, the chunked form's `selective_ssm`
+    time_scans = ("sequential", "associative", "chunked", "fused")  # fused: `rnnlab.fused.selective_scan`, CPU
+    # custom_vjp: linear_recurrence's backward, the chunked form's `selective_ssm` (the fused kernel's: always)
+    backward_forms = ("sequential", "associative", "chunked")
     default_recurrence = "custom_vjp"  # conf/model/mamba.yaml's (init: SequenceCell's default)
-    # model.time_scan=auto: the chunked form at every length (its hand-written backward: the fastest form at
-    # T=16 and 64 on CPU, docs/benchmarks.md "Step time at the zoo's shapes")
-    default_time_scan = "chunked"
+    # model.time_scan=auto: on a CPU where the kernel builds, fused (`rnnlab.models.build_model`); elsewhere the
+    # chunked form at every length (its hand-written backward: the fastest JAX form at T=16 and 64 on CPU,
+    # docs/benchmarks.md "Step time at the zoo's shapes")
+    default_time_scan = "auto"
+    long_form = "chunked"
     input_bias = False  # the reference's in_proj has no bias
 
     def input_init(self):
@@ -230,7 +238,12 @@ class Mamba(SequenceCell):
         f32 = lambda a: a.astype(jnp.float32)  # noqa: E731  (the SSM runs in float32)
         dt = f32(d_low @ params["W_dt"]) + f32(params["dt_bias"])  # [T, B, D], Delta before its softplus
         h0 = None if state is None else state["ssm"]
-        if time_scan == "chunked":
+        if time_scan == "fused":
+            a = -jnp.exp(f32(params["A_log"]))
+            y, h = fused.selective_scan(jax.nn.softplus(dt), f32(xs), f32(b_in), f32(c_out), a, h0, self.allow_neg_eigval)
+            y = (y + f32(params["D"]) * f32(xs)) * jax.nn.silu(f32(z))
+            out = y.astype(u.dtype) @ params["W_out"]
+        elif time_scan == "chunked":
             y, h = selective_scan_chunked(dt, f32(xs), f32(z), f32(b_in), f32(c_out), -jnp.exp(f32(params["A_log"])),
                                           f32(params["D"]), self.chunk_size, unroll, self.allow_neg_eigval, h0,
                                           recurrence)

@@ -224,10 +224,11 @@ class Cell:
     backward_forms: ClassVar[tuple[str, ...] | None] = None
 
     def custom_vjp_forms(self) -> tuple[str, ...]:
-        """The forms in which `model.recurrence=custom_vjp` runs a hand-written backward (`backward_forms`)."""
-        if self.backward_forms is not None:
-            return self.backward_forms
-        return self.time_scans if type(self).backward is not Cell.backward else ()
+        """The forms in which `model.recurrence=custom_vjp` runs a hand-written backward (`backward_forms`), and the
+        fused form of a cell that has one (`rnnlab.fused`: its backward is the kernel's, whatever the recurrence)."""
+        forms = self.backward_forms if self.backward_forms is not None else (
+            self.time_scans if type(self).backward is not Cell.backward else ())
+        return tuple(dict.fromkeys([*forms, *(f for f in self.time_scans if f == "fused")]))
 
     @property
     def has_backward(self) -> bool:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rnnlab import fused
 from rnnlab.cells.common import shift_in
 from rnnlab.cells.dplr_forms import dplr_chunked, dplr_flops, dplr_recompute_flops, dplr_recurrent
 from rnnlab.cells.registry import SequenceCell, register_cell, shift_back
@@ -77,8 +78,9 @@ class RWKV7(SequenceCell):
     allow_neg_eigval: bool = False  # a in (0, 2) and the removal times w: eigenvalues in (-1, 1] (Grazzi et al.)
 
     name = "rwkv7"
-    time_scans = ("sequential", "chunked")
-    # model.time_scan=auto: sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
+    time_scans = ("sequential", "chunked", "fused")  # fused: `rnnlab.fused.dplr`, CPU
+    # model.time_scan=auto: on a CPU where the kernel builds, fused (`rnnlab.models.build_model`); elsewhere
+    # sequential up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
     # "Forms by length")
     default_time_scan = "auto"
     auto_forms = ((64, "sequential"),)
@@ -165,6 +167,8 @@ class RWKV7(SequenceCell):
         carried = None if state is None else state["S"]
         if time_scan == "chunked":
             o = dplr_chunked(r, k, v, -kk, removal, log_w, min(self.chunk_size, x.shape[0]), state=carried)
+        elif time_scan == "fused":
+            o = fused.dplr(r, k, v, -kk, removal, log_w, state=carried)
         else:
             o = dplr_recurrent(r, k, v, -kk, removal, log_w, self.chunk_size, state=carried)
         after = None

@@ -111,7 +111,7 @@ def test_segments_with_the_state_carried_equal_the_whole_sequence(model, form):
 # The yamls whose `auto` resolves to one form at every length `check_segments` runs, and that form.
 AUTO_IS = {"deltanet": "sequential", "gated_deltanet": "sequential", "deltaproduct": "sequential",
            "rwkv7": "sequential", "mlstm": "parallel", "gla": "chunked", "linear_attention": "chunked",
-           "mamba2": "chunked"}
+           "mamba2": "chunked", "mamba": "chunked"}
 
 
 def test_the_auto_cases_left_out_are_their_forms_cases():

@@ -1,5 +1,6 @@
-"""rnnlab.fused: the fused CPU kernels of the delta rule (DeltaNet, gated DeltaNet, DeltaProduct) and of gated linear
-attention (GLA, linear attention, Mamba-2) against the JAX sequential forms (itself checked against NumPy in test_matrix_forms and test_negative_eigenvalues): values, the
+"""rnnlab.fused: the fused CPU kernels of the delta rule (DeltaNet, gated DeltaNet, DeltaProduct), of gated linear
+attention (GLA, linear attention, Mamba-2), of the DPLR delta rule (RWKV-7) and Mamba's selective scan against the
+JAX forms (itself checked against NumPy in test_matrix_forms and test_negative_eigenvalues): values, the
 final state and the gradients of every input, state in and out, at lengths that are and are not multiples of the
 kernel's checkpoint block; a model run with `model.time_scan=fused`; `auto`'s choice; the refusals."""
 
@@ -14,7 +15,9 @@ from conftest import compose_config, fast_first
 from rnnlab import fused, models, native_build
 from rnnlab.cells.delta_product_forms import delta_product_recurrent
 from rnnlab.cells.delta_rule_forms import delta_rule_recurrent
+from rnnlab.cells.dplr_forms import dplr_recurrent
 from rnnlab.cells.gla_forms import gla_recurrent
+from rnnlab.cells.mamba import selective_ssm
 from rnnlab.config import ConfigError
 
 B, H, DK, DV = 2, 3, 8, 4
@@ -81,7 +84,9 @@ MODELS = [("gated_deltanet", ["num_layers=1", "model.num_heads=2", "model.allow_
           ("mamba2", ["num_layers=1", "model.head_dim=8", "model.state_size=4", "model.allow_neg_eigval=true"]),
           ("deltanet", ["model.num_heads=2"]), ("deltaproduct", ["model.num_heads=2", "model.allow_neg_eigval=true"]),
           ("gla", ["model.num_heads=2"]), ("linear_attention", ["model.num_heads=2"]),
-          ("mamba2", ["model.head_dim=8", "model.state_size=4"])]
+          ("mamba2", ["model.head_dim=8", "model.state_size=4"]), ("rwkv7", ["model.num_heads=2"]),
+          ("rwkv7", ["model.num_heads=2", "model.allow_neg_eigval=true"]), ("mamba", ["model.state_size=4"]),
+          ("mamba", ["model.state_size=4", "model.allow_neg_eigval=true"])]
 
 
 @pytest.mark.parametrize("model, overrides", fast_first(MODELS, keep=2, why="cross-product"),
@@ -133,6 +138,53 @@ def test_the_gated_linear_kernel_has_the_sequential_forms_values_state_and_gradi
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
 
 
+@pytest.mark.parametrize("length", fast_first([21, 16, 1], why="cross-product"))
+def test_the_dplr_kernel_has_the_sequential_forms_values_state_and_gradients(length):
+    """RWKV-7's arguments: a = -kappa, b = kappa * iclr with iclr up to 2 (its eigenvalues reach -1)."""
+    rng = np.random.default_rng(length)
+    kappa = unit(rng.normal(size=(length, B, H, DK)))
+    args = [jnp.asarray(x, jnp.float32) for x in (
+        rng.normal(size=(length, B, H, DK)), rng.normal(size=(length, B, H, DK)), rng.normal(size=(length, B, H, DK)),
+        -kappa, kappa * rng.uniform(0, 2, (length, B, H, DK)), rng.uniform(-1, 0, (length, B, H, DK)),
+        rng.normal(size=(B, H, DK, DK)))]
+
+    def theirs(*a):
+        return dplr_recurrent(*a[:6], 5, state=a[6])
+
+    def ours(*a):
+        return fused.dplr(*a[:6], state=a[6])
+
+    for got, want in zip(jax.jit(ours)(*args), jax.jit(theirs)(*args)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    grads = jax.jit(jax.grad(weighted(ours), range(7)))(*args)
+    for name, got, want in zip(("q", "k", "v", "a", "b", "log_w", "s0"), grads,
+                               jax.jit(jax.grad(weighted(theirs), range(7)))(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("length, negative", fast_first([(21, True), (16, False), (1, False)], why="cross-product"))
+def test_the_selective_scan_kernel_has_the_sequential_forms_values_state_and_gradients(length, negative):
+    """Mamba's `selective_ssm` (hand-written backward, itself against NumPy and autodiff in test_attention_mamba)."""
+    rng = np.random.default_rng(length)
+    d, n = 6, 4
+    args = [jnp.asarray(x, jnp.float32) for x in (
+        rng.uniform(0.01, 0.5, (length, B, d)), rng.normal(size=(length, B, d)), rng.normal(size=(length, B, n)),
+        rng.normal(size=(length, B, n)), -rng.uniform(0.5, 3, (d, n)), rng.normal(size=(B, d, n)))]
+
+    def theirs(*a):
+        return selective_ssm(*a, negative)
+
+    def ours(*a):
+        return fused.selective_scan(*a, negative)
+
+    for got, want in zip(jax.jit(ours)(*args), jax.jit(theirs)(*args)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    grads = jax.jit(jax.grad(weighted(ours), range(6)))(*args)
+    for name, got, want in zip(("delta", "x", "b", "c", "a", "h0"), grads,
+                               jax.jit(jax.grad(weighted(theirs), range(6)))(*args)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
 def test_bfloat16_inputs_run_in_float32_and_come_back_in_bfloat16():
     q, k, v, beta, log_alpha, s0 = inputs(9)
     o = fused.delta_rule(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), beta, log_alpha)
@@ -145,7 +197,7 @@ def test_auto_runs_the_kernel_on_a_cpu_and_the_jax_forms_elsewhere_or_without_it
     assert fused.available() == (True, "")  # CI builds it: a test skipped where it cannot tests nothing
     assert models.resolve_form("auto", "deltaproduct", "cpu") == "fused"
     assert models.resolve_form("auto", "deltanet", "gpu") == "auto"
-    assert models.resolve_form("auto", "mamba", "cpu") == "auto"  # no fused form
+    assert models.resolve_form("auto", "mlstm", "cpu") == "auto"  # no fused form
     assert models.resolve_form("chunked", "deltanet", "cpu") == "chunked"
     with pytest.raises(ConfigError, match=r"^key 'model.time_scan': got 'fused', a CPU kernel, but this run's devices "
                                           r"are gpu; allowed: auto or a JAX form of cell 'deltanet'$"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import fast_first, require
+from rnnlab import fused
 from rnnlab.blocks import ChannelMLP
 from rnnlab.cells import get_cell
 from rnnlab.cells.dplr_forms import dplr_chunked, dplr_recurrent
@@ -24,7 +25,7 @@ B, HEADS, D, CHUNK = 2, 2, 4, 4
 LENGTHS = (13, 3, 8)  # not a multiple of CHUNK, shorter than it, a multiple
 
 FORMS = {"recurrent": functools.partial(dplr_recurrent, checkpoint_every=CHUNK),
-         "chunked": functools.partial(dplr_chunked, chunk_size=CHUNK)}
+         "chunked": functools.partial(dplr_chunked, chunk_size=CHUNK), "fused": fused.dplr}
 
 
 def numpy_dplr(q, k, v, a, b, log_w):
@@ -165,7 +166,8 @@ def cell_and_params(hidden=H, heads=HEADS, seed=0, **options):
 @pytest.mark.parametrize("time_scan, allow_neg_eigval", [
     # the chunked form against NumPy in the fast tier: test_forms_match_numpy_with_iclr_up_to_2[chunked]
     pytest.param("chunked", False, marks=pytest.mark.slow("cross-product")),
-    pytest.param("chunked", True, marks=pytest.mark.slow("cross-product")), ("sequential", False), ("sequential", True)])
+    pytest.param("chunked", True, marks=pytest.mark.slow("cross-product")), ("sequential", False), ("sequential", True),
+    pytest.param("fused", True, marks=pytest.mark.slow("cross-product"))])
 def test_layer_matches_numpy(time_scan, allow_neg_eigval):
     cell, params = cell_and_params(decay_rank=3, iclr_rank=2, gate_rank=5, allow_neg_eigval=allow_neg_eigval)
     x = np.random.default_rng(7).normal(size=(11, B, H))
@@ -263,7 +265,8 @@ def to_fla(torch, x):
 
 @pytest.mark.slow("extra")
 @pytest.mark.parametrize("length, max_iclr", [(16, 1.0), (37, 1.0), (37, 2.0)])
-@pytest.mark.parametrize("reference, form", [("dplr_recurrence", "recurrent"), ("dplr_chunkwise", "chunked")])
+@pytest.mark.parametrize("reference, form", [("dplr_recurrence", "recurrent"), ("dplr_chunkwise", "chunked"),
+                                             ("dplr_recurrence", "fused")])
 def test_forms_match_fla(torch, dplr_naive, reference, form, length, max_iclr):
     """Outputs and every input's gradient (one random cotangent) against fla's naive functions, float32; the
     in-context learning rate also in allow_neg_eigval's (0, 2). fla scales q by dk^-1/2: it gets q dk^1/2.
@@ -271,8 +274,9 @@ def test_forms_match_fla(torch, dplr_naive, reference, form, length, max_iclr):
     d, chunk = 8, 8
     args = rwkv_inputs(length, seed=9, d=d, max_iclr=max_iclr)
     cotangent = np.random.default_rng(10).normal(size=args[2].shape)
-    fn, key = {"recurrent": (dplr_recurrent, "checkpoint_every"), "chunked": (dplr_chunked, "chunk_size")}[form]
-    out, vjp = jax.vjp(functools.partial(fn, **{key: chunk}), *f32(args))
+    fn, key = {"recurrent": (dplr_recurrent, "checkpoint_every"), "chunked": (dplr_chunked, "chunk_size"),
+               "fused": (fused.dplr, None)}[form]
+    out, vjp = jax.vjp(functools.partial(fn, **{key: chunk} if key else {}), *f32(args))
     ours = vjp(jnp.float32(cotangent))
     padded = -(-length // chunk) * chunk
     pad = lambda x: np.pad(x, [(0, padded - length)] + [(0, 0)] * 3)  # noqa: E731
