@@ -16,6 +16,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -139,7 +140,6 @@ def planned_jobs(config: DictConfig) -> int | None:
         return int(sweeper.n_trials)
     if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
         return None
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -148,7 +148,15 @@ def planned_jobs(config: DictConfig) -> int | None:
         params = sweeper.get("params")
         params = OmegaConf.to_container(params, resolve=True) if params is not None else {}
         lines = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
-        return len(BasicSweeper.split_arguments(OverridesParser.create(loader).parse_overrides(lines), None)[0])
+        # The basic sweeper's grid: one axis a key, the last override of a key replacing the ones before; a discrete
+        # sweep's values, else one value (a range or interval sweep it refuses: no count)
+        axes = {}
+        for override in OverridesParser.create(loader).parse_overrides(lines):
+            if override.is_sweep_override() and not override.is_discrete_sweep():
+                return None
+            axes[override.get_key_element()] = (len(list(override.sweep_string_iterator()))
+                                                if override.is_sweep_override() else 1)
+        return math.prod(axes.values())
     except Exception:  # noqa: BLE001 - a count we cannot make is shown as "?", never a failed sweep
         return None
 

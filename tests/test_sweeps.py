@@ -426,3 +426,21 @@ def test_a_rerun_refused_before_it_trains_keeps_the_earlier_runs_results(tmp_pat
     done.write_text(json.dumps({"status": "diverged", "step": 3}))
     write_failure(done, "non-finite", 3, [], started)
     assert json.loads(done.read_text())["status"] == "diverged" and json.loads(done.read_text())["exit_code"] == 3
+
+
+@pytest.mark.parametrize("task, params, jobs", [
+    (["model=rnn,lstm", "hidden_dim=64,128", "seed=1"], {}, 4),
+    (["model=rnn,lstm", "model=gru"], {"optimizer.lr": "1e-3,3e-3"}, 2),  # a key's last override replaces the one before
+    (["seed=range(1,4)"], {"model": "rnn,lstm"}, 6),
+    (["optimizer.lr=interval(1e-4,1e-2)"], {}, None),  # the basic sweeper cannot sweep an interval: no count
+])
+def test_the_basic_sweepers_grid_is_counted_from_the_parsed_overrides(task, params, jobs):
+    """sweep_status's job count, from Hydra's public override parser (no private sweeper call): one axis a key, the
+    cross product of the discrete sweeps, as hydra's BasicSweeper.split_arguments forms its grid."""
+    from omegaconf import OmegaConf
+
+    from rnnlab.sweep_status import planned_jobs
+
+    config = OmegaConf.create({"hydra": {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
+                                                     "params": params}, "overrides": {"task": task}}})
+    assert planned_jobs(config) == jobs
