@@ -484,12 +484,13 @@ def _resolve(recurrence: str, hidden_dim: int, platform: str, key: str = "model.
 
 def resolve_form(time_scan: str, cell: str, platform: str, key: str = "model.time_scan") -> str:
     """`model.time_scan`, with `auto` taken to the cell's fused CPU kernel (`rnnlab.fused`) on a CPU where the
-    kernel builds: it was the fastest form at every shape measured (docs/benchmarks.md, "Fused kernels"). Where it
-    cannot be built, `auto` keeps the JAX forms after a one-line notice."""
+    kernel builds and the cell's train step measured faster with it (`Cell.auto_fused`; docs/benchmarks.md, "Fused
+    kernels"). Where it cannot be built, `auto` keeps the JAX forms after a one-line notice."""
     if time_scan == "fused" and platform != "cpu":  # device.platform=auto found an accelerator
         raise ConfigError(f"key '{key}': got 'fused', a CPU kernel, but this run's devices are {platform}; "
                           f"allowed: auto or a JAX form of cell {cell!r}")
-    if time_scan != "auto" or platform != "cpu" or "fused" not in get_cell(cell).time_scans:
+    kind = get_cell(cell)
+    if time_scan != "auto" or platform != "cpu" or "fused" not in kind.time_scans or not kind.auto_fused:
         return time_scan
     ok, why = fused.available()
     if not ok:

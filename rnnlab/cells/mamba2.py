@@ -61,10 +61,12 @@ class Mamba2(SequenceCell):
 
     name = "mamba2"
     time_scans = ("sequential", "chunked", "fused")  # fused: `rnnlab.fused.gated_linear`, CPU
-    # conf/model/mamba2.yaml's (init, recurrence: SequenceCell's): fused on a CPU where the kernel builds
-    # (`rnnlab.models.build_model`), else chunked
+    # conf/model/mamba2.yaml's (init, recurrence: SequenceCell's): the chunked form. Not the fused one: its train
+    # step measured 0.8x the chunked form's at S3's shape on a CPU, though the recurrence alone ran 1.2x faster
+    # (docs/benchmarks.md, "Fused kernels"); `model.time_scan=fused` runs it by name.
     default_time_scan = "auto"
     long_form = "chunked"
+    auto_fused = False
     input_bias = False  # the reference's in_proj has no bias
 
     @property

@@ -137,6 +137,9 @@ class Cell:
     # the first that covers T; past them `long_form` (the form whose memory grows least with T).
     auto_forms: ClassVar[tuple[tuple[int, str], ...]] = ()
     long_form: ClassVar[str | None] = None
+    # Whether `model.time_scan=auto` runs the cell's `fused` form (`rnnlab.fused`) on a CPU where the kernel builds:
+    # where the train step measured faster with it at the zoo's shapes (docs/benchmarks.md, "Fused kernels").
+    auto_fused: ClassVar[bool] = True
 
     @classmethod
     def default_form(cls) -> str:
