@@ -50,10 +50,14 @@ def weighted(form):
     return loss
 
 
+# The JAX references' checkpoint interval changes no value: one block of the whole sequence compiles fastest.
+WHOLE = 64
+
+
 def reference(n):
     if n is None:
-        return lambda q, k, v, beta, la, s0: delta_rule_recurrent(q, k, v, beta, la, 5, s0)
-    return lambda q, k, v, beta, la, s0: delta_product_recurrent(q, k, v, beta, la, 5, s0)
+        return lambda q, k, v, beta, la, s0: delta_rule_recurrent(q, k, v, beta, la, WHOLE, s0)
+    return lambda q, k, v, beta, la, s0: delta_product_recurrent(q, k, v, beta, la, WHOLE, s0)
 
 
 # (length, n sub-steps (None: the delta rule), gated): lengths around the kernel's block of 16 tokens.
@@ -124,7 +128,7 @@ def test_the_gated_linear_kernel_has_the_sequential_forms_values_state_and_gradi
 
     def theirs(q, k, v, la, s0):
         la = jnp.broadcast_to(la[..., None], shape) if per_head else la
-        return gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v, la, 5, state=s0)
+        return gla_recurrent(jnp.broadcast_to(q, shape), jnp.broadcast_to(k, shape), v, la, WHOLE, state=s0)
 
     def ours(q, k, v, la, s0):
         return fused.gated_linear(q, k, v, jnp.exp(la), s0)
@@ -149,7 +153,7 @@ def test_the_dplr_kernel_has_the_sequential_forms_values_state_and_gradients(len
         rng.normal(size=(B, H, DK, DK)))]
 
     def theirs(*a):
-        return dplr_recurrent(*a[:6], 5, state=a[6])
+        return dplr_recurrent(*a[:6], WHOLE, state=a[6])
 
     def ours(*a):
         return fused.dplr(*a[:6], state=a[6])
@@ -189,7 +193,7 @@ def test_bfloat16_inputs_run_in_float32_and_come_back_in_bfloat16():
     q, k, v, beta, log_alpha, s0 = inputs(9)
     o = fused.delta_rule(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), beta, log_alpha)
     assert o.dtype == jnp.bfloat16
-    want = delta_rule_recurrent(*(a.astype(jnp.bfloat16).astype(jnp.float32) for a in (q, k, v)), beta, log_alpha, 5)
+    want = delta_rule_recurrent(*(a.astype(jnp.bfloat16).astype(jnp.float32) for a in (q, k, v)), beta, log_alpha, WHOLE)
     np.testing.assert_allclose(o.astype(jnp.float32), want, rtol=2e-2, atol=2e-2)
 
 
