@@ -150,7 +150,7 @@ def test_bench_scans_times_every_form_of_a_cell(tmp_path, monkeypatch):
                                               "--batch", "2", "--repeats", "1", "--min-seconds", "0.01",
                                               "--mixer", "--set", "model.chunk_size=4", "--json", str(out)])
     forms = [(row["cell"], row["time_scan"]) for row in result["rows"]]
-    assert forms == [("gla", "sequential"), ("gla", "associative"), ("gla", "chunked"),
+    assert forms == [("gla", "sequential"), ("gla", "associative"), ("gla", "chunked"), ("gla", "fused"),
                      ("mingru", "sequential"), ("mingru", "associative")]
     assert all(row["tokens_per_sec"] > 0 and row["memory_mib"] > 0 and row["compile_seconds"] > 0
                and row["mixer_ms"] > 0 for row in result["rows"])
@@ -163,21 +163,21 @@ def test_bench_scans_memory_only_compiles_and_runs_nothing(tmp_path, monkeypatch
     result = load_script("bench_scans").main(["--cells", "mamba", "attention", "--seq-lens", "8", "--hidden", "8",
                                               "--batch", "2", "--memory-only", "--json", str(tmp_path / "m.json")])
     forms = [(row["cell"], row["time_scan"]) for row in result["rows"]]
-    assert forms == [("mamba", "sequential"), ("mamba", "associative"), ("mamba", "chunked"),
+    assert forms == [("mamba", "sequential"), ("mamba", "associative"), ("mamba", "chunked"), ("mamba", "fused"),
                      ("attention", "parallel"), ("attention", "blockwise")]
     assert all(row["memory_mib"] > 0 and row["tokens_per_sec"] is None for row in result["rows"])
 
 
 @pytest.mark.slow("end-to-end")
 def test_bench_scans_as_configured_takes_each_config_and_reads_train_peak_rss(tmp_path, monkeypatch):
-    """Each cell's own default form (mamba2: chunked; gru: sequential) and block, and the peak RSS of a
+    """Each cell's own default form (mamba2: auto, its chunked form on a CPU; gru: sequential) and block, and the peak RSS of a
     real two-step `train.py` run: JAX alone holds hundreds of MiB, and a failing run is reported."""
     monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     result = load_script("bench_scans").main(["--cells", "mamba2", "gru", "--seq-lens", "8", "--hidden", "8",
                                               "--batch", "2", "--as-configured", "--memory-only", "--train-rss",
                                               "--json", str(tmp_path / "m.json")])
     rows = result["rows"]
-    assert [(row["cell"], row["time_scan"]) for row in rows] == [("mamba2", "chunked"), ("gru", "sequential")]
+    assert [(row["cell"], row["time_scan"]) for row in rows] == [("mamba2", "auto"), ("gru", "sequential")]
     assert all(row["train_exit"] == 0 and 200 < row["train_rss_mib"] < 8000 for row in rows)
 
 
