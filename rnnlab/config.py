@@ -472,18 +472,13 @@ def _validate_fused(c: Config) -> None:
     keys = [("model.", m.own_layer_cell())] + [(f"model.pattern_keys.{s.cell}.", s) for s in m.layer_cells()
                                                if m.pattern and s.cell != m.cell]
     for prefix, spec in keys:
-        if spec.time_scan != "fused":
-            continue
-        if c.device.platform in ("gpu", "tpu"):
-            raise ConfigError(f"key '{prefix}time_scan': got 'fused', a CPU kernel, but device.platform is "
-                              f"{c.device.platform}; allowed: auto or a JAX form of cell {spec.cell!r}")
-        from rnnlab import fused  # builds the kernel on first use (seconds, once per machine)
+        if spec.time_scan == "fused":
+            from rnnlab import fused  # builds the kernels on first use (seconds, once per machine)
 
-        ok, why = fused.available()
-        if not ok:
-            others = [f for f in spec.make(m.hidden_dim).time_scans if f != "fused"]
-            raise ConfigError(f"key '{prefix}time_scan': got 'fused', but its kernel cannot be built here ({why}); "
-                              f"allowed: auto, {', '.join(others)}")
+            problem = fused.refusal(prefix + "time_scan", spec.cell, spec.make(m.hidden_dim).time_scans,
+                                    c.device.platform)
+            if problem:
+                raise ConfigError(problem)
 
 
 def _validate_stream_task(c: Config) -> None:

@@ -1,4 +1,4 @@
-"""Fused CPU kernels of the matrix-state recurrences, forward and backward, as XLA FFI calls: `model.time_scan=fused`.
+"""Fused CPU kernels of the recurrences, forward and backward, as XLA FFI calls: `model.time_scan=fused`.
 
 XLA's CPU code runs a recurrence's step as a handful of small operations inside a loop, each paying a fixed cost
 and re-reading the state from memory (docs/performance-notes.md); flash-linear-attention's fused recurrent Triton
@@ -61,6 +61,19 @@ def _load() -> tuple[bool, str]:
 def available() -> tuple[bool, str]:
     """(True, "") where the fused kernels are built and loaded, else (False, the reason)."""
     return _load()
+
+
+def refusal(key: str, cell: str, forms: tuple[str, ...], platform: str) -> str | None:
+    """Why `key`=fused cannot run for `cell` (its forms `forms`) on `platform` (`auto`: not known yet), in the
+    config's one line; None where it can. The config check and `models.build_model` both ask."""
+    others = ", ".join(f for f in forms if f != "fused")
+    if platform not in ("cpu", "auto"):
+        return (f"key '{key}': got 'fused', a CPU kernel, but the platform is {platform}; allowed: auto, {others} "
+                f"(cell {cell!r})")
+    ok, why = available()
+    if not ok:
+        return f"key '{key}': got 'fused', but its kernel cannot be built here ({why}); allowed: auto, {others}"
+    return None
 
 
 def _require() -> None:

@@ -486,10 +486,9 @@ def resolve_form(time_scan: str, cell: str, platform: str, key: str = "model.tim
     """`model.time_scan`, with `auto` taken to the cell's fused CPU kernel (`rnnlab.fused`) on a CPU where the
     kernel builds and the cell's train step measured faster with it (`Cell.auto_fused`; docs/benchmarks.md, "Fused
     kernels"). Where it cannot be built, `auto` keeps the JAX forms after a one-line notice."""
-    if time_scan == "fused" and platform != "cpu":  # device.platform=auto found an accelerator
-        raise ConfigError(f"key '{key}': got 'fused', a CPU kernel, but this run's devices are {platform}; "
-                          f"allowed: auto or a JAX form of cell {cell!r}")
     kind = get_cell(cell)
+    if time_scan == "fused" and platform != "cpu":  # device.platform=auto found an accelerator
+        raise ConfigError(fused.refusal(key, cell, kind.time_scans, platform))
     if time_scan != "auto" or platform != "cpu" or "fused" not in kind.time_scans or not kind.auto_fused:
         return time_scan
     ok, why = fused.available()

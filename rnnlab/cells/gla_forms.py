@@ -114,6 +114,12 @@ def gla_recurrent(q: jax.Array, k: jax.Array, v: jax.Array, log_alpha: jax.Array
     return o[:length] if state is None else (o[:length], final)
 
 
+def decay(log_alpha: jax.Array, allow_neg_eigval: bool) -> jax.Array:
+    """The transition itself: exp(log_alpha), or with `allow_neg_eigval` 2 exp(log_alpha) - 1 (Grazzi et al. 2025),
+    exact near 1 (Mamba's scans, and the fused kernel's transitions for Mamba-2)."""
+    return 1 + 2 * jnp.expm1(log_alpha) if allow_neg_eigval else jnp.exp(log_alpha)
+
+
 def doubled_decay(log_alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Grazzi et al.'s (ICLR 2025) switch for a decay alpha = exp(log_alpha) in (0, 1]: alpha' = 2 alpha - 1,
     in (-1, 1], as log |alpha'| and its sign (alpha' < 0) for the forms that work with log-decays.

@@ -62,15 +62,10 @@ import jax.numpy as jnp
 from rnnlab import fused
 from rnnlab.cells.common import (a_log_s4d_real_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
                                  torch_linear_init)
-from rnnlab.cells.gla_forms import block_checkpoint_scan, pad_time
+from rnnlab.cells.gla_forms import block_checkpoint_scan, decay, pad_time
 from rnnlab.cells.registry import SequenceCell, register_cell
 from rnnlab.options import allowed
 from rnnlab.recurrence import linear_recurrence, scan_linear
-
-
-def decay(delta_a: jax.Array, allow_neg_eigval: bool) -> jax.Array:
-    """exp(Delta A), or with `allow_neg_eigval` 2 exp(Delta A) - 1 (Grazzi et al. 2025), exact near 1."""
-    return 1 + 2 * jnp.expm1(delta_a) if allow_neg_eigval else jnp.exp(delta_a)
 
 
 def _ssm_scan(delta, xs, b_in, c_out, a, h0, allow_neg_eigval, unroll, keep_states):

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from rnnlab import fused
 from rnnlab.cells.common import (a_log_uniform_init, causal_conv, conv_tail, dt_bias_init, fan_in_uniform,
                                  torch_linear_init)
-from rnnlab.cells.gla_forms import doubled_decay, gla_recurrent, ssd_chunked
+from rnnlab.cells.gla_forms import decay, doubled_decay, gla_recurrent, ssd_chunked
 from rnnlab.cells.matrix import padded_length
 from rnnlab.cells.registry import SequenceCell, register_cell
 from rnnlab.options import allowed
@@ -122,9 +122,8 @@ class Mamba2(SequenceCell):
             xbc = causal_conv(xbc, params["conv_w"], params["conv_b"], tail)
         xs, b_in, c_out = jnp.split(jax.nn.silu(xbc).astype(jnp.float32), [d, d + n], axis=-1)
         delta = jax.nn.softplus(dt.astype(jnp.float32) + params["dt_bias"])  # [T, B, heads]
-        log_alpha, negative = delta * -jnp.exp(params["A_log"]), None
-        # The transition as a value, for the fused kernel: exp(Delta A), or 2 exp(Delta A) - 1 (exact near 1)
-        transition = 1 + 2 * jnp.expm1(log_alpha) if self.allow_neg_eigval else jnp.exp(log_alpha)
+        delta_a = delta * -jnp.exp(params["A_log"])
+        log_alpha, negative = delta_a, None
         if self.allow_neg_eigval:
             log_alpha, negative = doubled_decay(log_alpha)
         xs = xs.reshape(*xs.shape[:2], heads, self.head_width)  # [T, B, heads, P]
@@ -134,7 +133,7 @@ class Mamba2(SequenceCell):
         if time_scan == "chunked":
             y = ssd_chunked(q, k, v, log_alpha, min(self.chunk_size, u.shape[0]), negative, state=s0)
         elif time_scan == "fused":  # one group of q and k, shared by the heads; one transition per head
-            y = fused.gated_linear(q, k, v, transition, s0)
+            y = fused.gated_linear(q, k, v, decay(delta_a, self.allow_neg_eigval), s0)
         else:
             shape = (*v.shape[:3], n)
             per_key = lambda a: None if a is None else jnp.broadcast_to(a[..., None], shape)  # noqa: E731

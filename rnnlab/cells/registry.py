@@ -231,7 +231,7 @@ class Cell:
         fused form of a cell that has one (`rnnlab.fused`: its backward is the kernel's, whatever the recurrence)."""
         forms = self.backward_forms if self.backward_forms is not None else (
             self.time_scans if type(self).backward is not Cell.backward else ())
-        return tuple(dict.fromkeys([*forms, *(f for f in self.time_scans if f == "fused")]))
+        return forms + (("fused",) if "fused" in self.time_scans and "fused" not in forms else ())
 
     @property
     def has_backward(self) -> bool:
