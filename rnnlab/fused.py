@@ -18,6 +18,8 @@ and cast back).
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 
@@ -51,10 +53,11 @@ _loaders = [
 
 
 def _load() -> tuple[bool, str]:
-    for loader in _loaders:
-        lib, why = loader.load()
-        if lib is None:
-            return False, why
+    # The four builds side by side (a few seconds of the compiler each, once per machine)
+    with concurrent.futures.ThreadPoolExecutor(len(_loaders)) as pool:
+        for lib, why in pool.map(lambda loader: loader.load(), _loaders):
+            if lib is None:
+                return False, why
     return True, ""
 
 

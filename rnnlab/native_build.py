@@ -3,7 +3,8 @@
 A kernel is built with the C++ compiler on PATH (or $CXX) against JAX's FFI headers, into
 `files.cache_dir()/native/<stem>-<hash>.so`: the name hashes the source (and the headers beside it), the compiler, the flags, jaxlib and
 the CPU's instruction-set flags, so an edit, an upgrade or another machine builds anew and a build is never
-run on a CPU it was not made for. Concurrent builds write temporary files and rename them into place.
+run on a CPU it was not made for. Processes that ask together wait for one build (a lock beside the library),
+which writes a temporary file and renames it into place.
 """
 
 from __future__ import annotations
@@ -57,17 +58,22 @@ def build(source: Path, flags: list[str], libraries: list[str] = ()) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    with files.waited_lock(out.with_suffix(".lock")):  # processes that ask together build it once
+        if not out.exists():
+            _compile(compiler, [*flags, "-shared", "-fPIC", "-w", f"-I{include}", str(source), *libraries], source, out)
+    return out
+
+
+def _compile(compiler: str, args: list[str], source: Path, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)  # unique per build
     os.close(fd)
-    cmd = [compiler, *flags, "-shared", "-fPIC", "-w", f"-I{include}", str(source), *libraries, "-o", str(tmp)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run([compiler, *args, "-o", str(tmp)], capture_output=True, text=True)
     if done.returncode != 0:
         Path(tmp).unlink(missing_ok=True)
         lines = done.stderr.strip().splitlines()
         why = next((line for line in lines if "error" in line), lines[-1] if lines else f"{compiler} exited {done.returncode}")
         raise RuntimeError(f"compiling {source.name} failed: {why.strip()}")
-    os.replace(tmp, out)  # atomic: a concurrent job sees the old state or the whole library
-    return out
+    os.replace(tmp, out)  # atomic: a process that does not take the lock sees no library or the whole one
 
 
 class Loader:

@@ -43,6 +43,11 @@ else:
 # rnnlab's caches (measured peak FLOP/s, measured CPU device counts) in a fresh dir for the
 # session, shared with the subprocesses: tests neither read nor write the user's ~/.cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="rnnlab-test-cache-")
+# Except the compiled C++ kernels (rnnlab.native_build: named by a hash of what built them, so never stale), which
+# the pytest workers and later runs share instead of each compiling all of them (about 3 s of g++ each).
+(ROOT / ".pytest_cache" / "native").mkdir(parents=True, exist_ok=True)
+(Path(os.environ["XDG_CACHE_HOME"]) / "rnnlab").mkdir()
+(Path(os.environ["XDG_CACHE_HOME"]) / "rnnlab" / "native").symlink_to(ROOT / ".pytest_cache" / "native")
 # No test fetches a corpus (data=text): the tests read tests/data/text_fixture (data.corpus=file), and a corpus
 # not prepared is refused at once (rnnlab.corpora.OFFLINE_ENV).
 os.environ["RNNLAB_OFFLINE"] = "1"
