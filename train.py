@@ -88,15 +88,29 @@ def swept_keys(args: list[str]) -> list[str]:
 
 def parsed_overrides(args: list[str]) -> list:
     """The command line's overrides as Hydra parses them, or [] for a malformed one (Hydra reports it)."""
-    from hydra._internal.utils import get_args_parser  # hydra.main's own: it knows `-cd DIR`, `--cfg job`
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parser = get_args_parser()
-    parser.exit_on_error = False
     try:
-        return OverridesParser.create().parse_overrides(parser.parse_known_args(args)[0].overrides)
+        return OverridesParser.create().parse_overrides(_HYDRA_FLAGS.parse_known_args(args)[0].overrides)
     except (HydraException, argparse.ArgumentError):
         return []
+
+
+def _hydra_flags() -> argparse.ArgumentParser:
+    """hydra.main's command line, as far as it tells flags from overrides: its flags that take a value (`-cd DIR`,
+    `--cfg job`, `--info [what]`); the others take none, so that `parse_known_args` leaves them aside. Hydra's own
+    parser is private (hydra._internal); tests/test_cli.py holds this one to it."""
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("overrides", nargs="*")
+    for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+                  ("--config-dir", "-cd"), ("--experimental-rerun",)):
+        parser.add_argument(*flags)
+    parser.add_argument("--info", "-i", nargs="?",
+                        choices=["all", "config", "defaults", "defaults-tree", "plugins", "searchpath"])
+    return parser
+
+
+_HYDRA_FLAGS = _hydra_flags()
 
 
 MAX_SWEEP_NAME = 80  # characters of a sweep dir's name made from overrides; longer ones end in a hash

@@ -32,14 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import numpy as np
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-
-from rnnlab import config as cfg  # noqa: E402
-from rnnlab import exit_codes, parallel, steps, tasks, trained  # noqa: E402
-from rnnlab.checkpoint import PreemptionGuard, saved_steps  # noqa: E402
+from rnnlab import config as cfg
+from rnnlab import exit_codes, parallel, steps, tasks, trained
+from rnnlab.checkpoint import PreemptionGuard, saved_steps
 
 EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_ABORTED = exit_codes.BAD_INPUT, exit_codes.PREEMPTED, exit_codes.ABORTED
 DEFAULT_MAX_MINUTES = 60.0  # train.py's eval_max_minutes default
@@ -171,35 +169,24 @@ def evaluate_run(run: Path, config: cfg.Config, task: tasks.Task, lengths: list[
     """One row per length: the run's newest checkpoint evaluated on its config's batch (`--sequences`) in segments
     of `data.eval_segment_len` (`--segment`). `guard`'s stop request ends it between segments (Stopped, holding
     the rows done); a length predicted past `eval_max_minutes` raises steps.EvalTooLongError."""
-    sequences, segment = config.batch_size, config.data.eval_segment_len
     try:
         loaded = trained.load_run(run)
     except trained.RunError as e:
         raise BadInput(f"argument RUN_DIR: {e}") from None
     for warning in loaded.warnings:
         print(f"eval_long: warning: {warning}", file=sys.stderr)
-    step = loaded.step
-    dp = parallel.DataParallel(jax.devices()[:1], "pmap")
-    replicated = dp.replicate(loaded.state)
     should_stop = (lambda: guard.requested is not None) if guard is not None else None
     rows: list[dict] = []
     for n in lengths:
         if should_stop and should_stop():
             raise Stopped(guard.requested, rows)
-        at = task.with_seq_len(n)
         start = time.perf_counter()
-        if at.total_len > segment:
-            evaluator = steps.make_segment_evaluator(config, at, sequences, dp, segment)
-            try:
-                (metrics,) = evaluator.segments.run(replicated, evaluator.batches, should_stop)
-            except steps.EvalInterrupted:
-                raise Stopped(guard.requested, rows) from None
-        else:
-            evaluator = steps.make_evaluator(config, at, sequences, dp)
-            metrics = evaluator.step(replicated, evaluator.batches[0])
-        metrics = dp.to_host(metrics)
-        rows.append({"run": str(run), "step": step, "length": n, "sequences": sequences,
-                     **{k: float(np.asarray(v).reshape(-1)[0]) for k, v in metrics.items()},
+        try:
+            metrics = loaded.evaluate(n, config.batch_size, config.data.eval_segment_len, config.eval_max_minutes,
+                                      should_stop)
+        except steps.EvalInterrupted:
+            raise Stopped(guard.requested, rows) from None
+        rows.append({"run": str(run), "step": loaded.step, "length": n, "sequences": config.batch_size, **metrics,
                      "seconds": round(time.perf_counter() - start, 1)})
         jax.clear_caches()
     return rows
@@ -212,6 +199,9 @@ def too_long(error: steps.EvalTooLongError, args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # On the CPU unless JAX_PLATFORMS says otherwise, set before JAX starts a backend (importing this module
+    # sets nothing)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parser().parse_args(argv)
     shown = logging.StreamHandler(sys.stderr)  # the predicted time of a long length
     shown.setFormatter(logging.Formatter("eval_long: %(message)s"))

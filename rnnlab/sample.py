@@ -22,14 +22,12 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from rnnlab import decode, exit_codes, textdata, trained  # noqa: E402
-from rnnlab.models import initial_state  # noqa: E402
+from rnnlab import decode, exit_codes, textdata, trained
+from rnnlab.models import initial_state
 
 EXIT_BAD_INPUT = exit_codes.BAD_INPUT
 # One compiled loop draws every byte of every sample, one step at a time, and holds them (and a key per step)
@@ -118,6 +116,9 @@ def generate(model, params, prompt: str, length: int, temperature: float, top_k:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # On the CPU unless JAX_PLATFORMS says otherwise, set before JAX starts a backend (importing this module
+    # sets nothing)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     args = parser().parse_args(argv)
     if args.top_k > textdata.VOCAB_SIZE:
         parser().error(f"argument --top-k: got {args.top_k}, allowed: a whole number from 0 to {textdata.VOCAB_SIZE}")

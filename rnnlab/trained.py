@@ -7,6 +7,7 @@ rnnlab's own `Checkpointer`, into what evaluation, sampling and decoding need.
 
     run = load_run("outputs/2026-01-01/12-00-00")                     # or load_run(run_dir, step=N)
     y, state = run.model.apply({"params": run.params}, x, state=initial_state(run.model, batch))
+    run.evaluate(1024)                                                 # {"loss": ..., "accuracy": ...}
 
 `python -m rnnlab.eval_long` and `python -m rnnlab.sample` load their runs with it. Every refusal is a `RunError`
 of one line (no "argument RUN_DIR: " prefix: the command line tools add theirs): a dir that is not a run dir, a
@@ -16,21 +17,24 @@ config that cannot be read or is not one, no checkpoint, none that can be restor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import numpy as np
 from omegaconf import OmegaConf
 
 from rnnlab import config as cfg
-from rnnlab import steps, tasks
+from rnnlab import parallel, steps, tasks
 from rnnlab.checkpoint import Checkpointer, CheckpointError, saved_steps
 from rnnlab.models import build_model
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"  # what Hydra writes for train.py: the composed config
 CHECKPOINTS = "checkpoints"
 UNREADABLE = "allowed: a run dir with a checkpoint of its config that can be read"
+RUNS_OWN = object()  # an option left at the run's own config's value
 
 
 class RunError(Exception):
@@ -58,6 +62,34 @@ class TrainedRun:
     def params(self) -> Any:
         """The model's parameters (`model.apply({"params": run.params}, ...)`)."""
         return self.state.params
+
+    @functools.cached_property
+    def _one_device(self) -> tuple[parallel.DataParallel, Any]:
+        dp = parallel.DataParallel(jax.devices()[:1], "pmap")
+        return dp, dp.replicate(self.state)
+
+    def evaluate(self, length: int, sequences: int | None = None, segment_len: int | None = None,
+                 max_minutes: float | None | object = RUNS_OWN, should_stop: Callable[[], bool] | None = None) -> dict[str, float]:
+        """The run's eval metrics at sequence length `length`, on one batch of `sequences` examples (default: its
+        batch size) of the eval stream, by train.py's eval step on one device; in segments of `segment_len` steps
+        (default: its `data.eval_segment_len`; None: whole) where the length is longer, `should_stop` asked between them
+        (steps.EvalInterrupted when it says so). A length predicted past `max_minutes` (None: no limit; default: its
+        `eval_max_minutes`) raises steps.EvalTooLongError. Each length compiles its own program."""
+        config = self.config
+        segment_len = segment_len or config.data.eval_segment_len
+        config = dataclasses.replace(
+            config, batch_size=sequences or config.batch_size, eval_batches=1,
+            eval_max_minutes=config.eval_max_minutes if max_minutes is RUNS_OWN else max_minutes,
+            data=dataclasses.replace(config.data, eval_segment_len=segment_len))
+        dp, replicated = self._one_device
+        task = self.task.with_seq_len(length)
+        if segment_len and task.total_len > segment_len:
+            evaluator = steps.make_segment_evaluator(config, task, config.batch_size, dp, segment_len)
+            (metrics,) = evaluator.segments.run(replicated, evaluator.batches, should_stop)
+        else:
+            evaluator = steps.make_evaluator(config, task, config.batch_size, dp)
+            metrics = evaluator.step(replicated, evaluator.batches[0])
+        return {k: float(np.asarray(v).reshape(-1)[0]) for k, v in dp.to_host(metrics).items()}
 
 
 def require_run_dir(run_dir: str | Path) -> Path:

@@ -444,3 +444,22 @@ def test_the_basic_sweepers_grid_is_counted_from_the_parsed_overrides(task, para
     config = OmegaConf.create({"hydra": {"sweeper": {"_target_": "hydra._internal.core_plugins.basic_sweeper.BasicSweeper",
                                                      "params": params}, "overrides": {"task": task}}})
     assert planned_jobs(config) == jobs
+
+
+def test_train_py_tells_hydras_flags_from_overrides_as_hydra_main_does():
+    """train.py's own reading of the command line (`parsed_overrides`: the sweep's dir and varied keys) takes the
+    flags that hydra.main's private parser takes with a value, and leaves the same overrides."""
+    import importlib.util
+
+    from hydra._internal.utils import get_args_parser
+
+    spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    def valued(parser):
+        return {flag: (action.nargs in (None, "?")) for action in parser._actions for flag in action.option_strings
+                if action.nargs != 0}
+    assert valued(train._HYDRA_FLAGS) == valued(get_args_parser())
+    args = ["-m", "-cd", "conf", "--cfg", "job", "-p", "model", "--info", "config", "hidden_dim=8,16", "model=rnn", "-r"]
+    assert train._HYDRA_FLAGS.parse_known_args(args)[0].overrides == \
+        get_args_parser().parse_known_args(args)[0].overrides == ["hidden_dim=8,16", "model=rnn"]

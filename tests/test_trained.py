@@ -64,3 +64,18 @@ def test_load_run_refuses_a_dir_without_a_checkpoint_and_a_dir_that_is_no_run_in
         load_run(bare)
     message = str(info.value)
     assert "\n" not in message and message.startswith(f"cannot read {bare / '.hydra' / 'config.yaml'} (")
+
+
+def test_a_loaded_run_evaluates_as_its_training_did_and_in_segments_as_whole(run):
+    """`TrainedRun.evaluate`: at the trained length, the metrics the run's own last evaluation wrote (the same eval
+    stream, one batch); at a longer length, the same metrics whether run whole or in segments with the state carried."""
+    run, config = run
+    loaded = load_run(run)
+    results = json.loads((run / "results.json").read_text())
+    written = {"loss": results["eval_loss"], **results["eval_metrics"]}
+    got = loaded.evaluate(config.data.seq_len)
+    assert got.keys() == written.keys()
+    np.testing.assert_allclose([got[k] for k in written], [written[k] for k in written], rtol=1e-5, atol=1e-6)
+    whole, segmented = loaded.evaluate(24, segment_len=64), loaded.evaluate(24, segment_len=8)
+    assert whole.keys() == segmented.keys() and whole != got
+    np.testing.assert_allclose([segmented[k] for k in whole], [whole[k] for k in whole], rtol=1e-5, atol=1e-6)
