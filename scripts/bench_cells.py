@@ -1,7 +1,8 @@
 """Measure the cells' step times at the zoo's shapes, and model options that are not about step time,
 side by side in one process.
 
-    python scripts/bench_cells.py zoo     # ms per train step, x the GRU, MFU: every cell at the three zoo shapes
+    python scripts/bench_cells.py zoo     # ms per train step, x the GRU, model FLOPs x the GRU's, MFU: every cell at
+                                          # the three zoo shapes
     python scripts/bench_cells.py init    # init + compile time of the stacked layers, scan vs vmap init
     python scripts/bench_cells.py remat   # XLA's peak temp memory of the compiled gradient, remat on vs off
 
@@ -148,20 +149,25 @@ def bench_zoo(args) -> None:
         for shape, preset in shapes.items():
             for setting in settings:
                 r = train_rate([*preset, *[f"model={setting.split()[0]}", *setting.split()[1:]]], args.steps)
-                rows[shape, setting].append((1000 * r["tokens_per_step"] / r["tokens_per_sec"], r["mfu"]))
+                rows[shape, setting].append((1000 * r["tokens_per_step"] / r["tokens_per_sec"], r["mfu"],
+                                             r["flops_per_step"]))
                 print(f"  {shape} {setting}: {rows[shape, setting][-1][0]:.2f} ms/step", file=sys.stderr, flush=True)
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, jax {jax.__version__}; median of {args.repeats} runs of {args.steps} steps each "
           f"(compile excluded), one job at a time.\nElman H=100 row (machine speed): "
           f"{statistics.median(elman):,.0f} tokens/s\n")
     for shape in shapes:
-        gru = statistics.median(ms for ms, _ in rows[shape, "gru"])
-        print(f"**{shape}** (`{' '.join(shapes[shape])}`)\n\n| setting | ms/step | x GRU | MFU |\n|---|---|---|---|")
+        gru = statistics.median(ms for ms, _, _ in rows[shape, "gru"])
+        gru_flops = rows[shape, "gru"][0][2]
+        # The model FLOPs of a step against the GRU's: a cell that does k times the GRU's work runs within k x the
+        # GRU's time only at the GRU's MFU or better
+        print(f"**{shape}** (`{' '.join(shapes[shape])}`)\n\n| setting | ms/step | x GRU | model FLOPs x GRU | MFU |\n"
+              f"|---|---|---|---|---|")
         for setting in settings:
-            ms = statistics.median(m for m, _ in rows[shape, setting])
-            mfu = statistics.median(u for _, u in rows[shape, setting] if u is not None) if any(
-                u is not None for _, u in rows[shape, setting]) else float("nan")
-            print(f"| {setting} | {ms:.1f} | {ms / gru:.1f} | {mfu:.2f} |")
+            ms = statistics.median(m for m, _, _ in rows[shape, setting])
+            mfu = statistics.median(u for _, u, _ in rows[shape, setting] if u is not None) if any(
+                u is not None for _, u, _ in rows[shape, setting]) else float("nan")
+            print(f"| {setting} | {ms:.1f} | {ms / gru:.1f} | {rows[shape, setting][0][2] / gru_flops:.1f} | {mfu:.2f} |")
         print(flush=True)
 
 
