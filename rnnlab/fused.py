@@ -19,6 +19,7 @@ and cast back).
 from __future__ import annotations
 
 import concurrent.futures
+import math
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,44 @@ def gated_linear(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, state: 
     o, s_last = _gated_linear(f32(q), f32(k), v.astype(jnp.float32), a.astype(jnp.float32), s0.astype(jnp.float32))
     o = o.astype(jnp.result_type(q, k, v))
     return o if state is None else (o, s_last)
+
+
+def mlstm(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, log_f: jax.Array, eps: float,
+          state: tuple[jax.Array, jax.Array, jax.Array] | None = None):
+    """The xLSTM's mLSTM (`mlstm_forms.mlstm_recurrent`'s arguments and stabilised equations) in gated linear
+    attention's kernel. Its scaled states are one: with m_t = max(log f_t + m_{t-1}, i~_t), [C~ | n~]_t =
+    exp(log f_t + m_{t-1} - m_t) [C~ | n~]_{t-1} + (exp(i~_t - m_t) k_t)^T [v_t | 1], a gated linear recurrence with one
+    transition per head and a value column of ones for the normaliser; the stabiliser m (a max-plus scan over the
+    heads' scalars) and the normalisation around the kernel stay in JAX, as do their gradients.
+    q, k: [T, B, h, dk]; v: [T, B, h, dv]; log_i, log_f: [T, B, h] -> h: [T, B, h, dv] in v's dtype, or given
+    `state` (the scaled C, n, m: float32 [B, h, dk, dv], [B, h, dk], [B, h]), (h, the state after)."""
+    length, batch, heads, dk = q.shape
+    dv = v.shape[-1]
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    if state is None:
+        c0, n0, m0 = (jnp.zeros((batch, heads, dk, dv), jnp.float32), jnp.zeros((batch, heads, dk), jnp.float32),
+                      jnp.zeros((batch, heads), jnp.float32))
+    else:
+        c0, n0, m0 = (f32(a) for a in state)
+    log_i, log_f = f32(log_i), f32(log_f)
+
+    # Step t maps m to max(log f_t + m, i~_t); (a, b) stands for m -> max(a + m, b), and two steps compose to
+    # (a1 + a2, max(a2 + b1, b2)): every m_t from m_0 in one associative scan, its sums over the terms themselves.
+    def compose(first, second):
+        return first[0] + second[0], jnp.maximum(second[0] + first[1], second[1])
+
+    shift, floor = jax.lax.associative_scan(compose, (log_f, log_i))
+    m = jnp.maximum(shift + m0, floor)  # [T, B, h]
+    m_before = jnp.concatenate([m0[None], m[:-1]])
+    forget = jnp.exp(log_f + m_before - m)
+    keys = jnp.exp(log_i - m)[..., None] * f32(k)
+    values = jnp.concatenate([f32(v), jnp.ones((length, batch, heads, 1), jnp.float32)], axis=-1)
+    s0 = jnp.concatenate([c0, n0[..., None]], axis=-1)
+    o, s_last = _gated_linear(f32(q) / math.sqrt(dk), keys, values, jnp.broadcast_to(forget[..., None], keys.shape),
+                              s0)
+    h = o[..., :dv] / (jnp.maximum(jnp.abs(o[..., dv]), jnp.exp(-m)) + eps)[..., None]
+    h = h.astype(v.dtype)
+    return h if state is None else (h, (s_last[..., :dv], s_last[..., dv], m[-1]))
 
 
 def dplr(q: jax.Array, k: jax.Array, v: jax.Array, a: jax.Array, b: jax.Array, log_w: jax.Array,

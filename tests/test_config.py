@@ -146,8 +146,8 @@ def test_custom_vjp_is_accepted_exactly_where_a_cell_runs_a_hand_written_backwar
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["model=mlstm", "model.recurrence=custom_vjp"],
-     "key 'model.recurrence': got 'custom_vjp', but cell 'mlstm' has no hand-written backward; allowed: autodiff"),
+    (["model=attention", "model.recurrence=custom_vjp"],
+     "key 'model.recurrence': got 'custom_vjp', but cell 'attention' has no hand-written backward; allowed: autodiff"),
     (["model=gla", "model.recurrence=custom_vjp"],
      "key 'model.recurrence': got 'custom_vjp', but cell 'gla' has a hand-written backward only in its forms "
      "associative, fused, not in model.time_scan=auto; allowed: autodiff, or model.time_scan=associative|fused"),

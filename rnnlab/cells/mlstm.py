@@ -33,10 +33,11 @@ import math
 import jax
 import jax.numpy as jnp
 
+from rnnlab import fused
 from rnnlab.cells.common import causal_conv, conv_tail, fan_in_uniform
 from rnnlab.cells.gla_forms import F32, mm
 from rnnlab.cells.matrix import padded_length
-from rnnlab.cells.mlstm_forms import mlstm_chunked, mlstm_parallel, mlstm_recurrent
+from rnnlab.cells.mlstm_forms import EPS, mlstm_chunked, mlstm_parallel, mlstm_recurrent
 from rnnlab.cells.registry import SequenceCell, register_cell
 from rnnlab.options import allowed
 
@@ -72,10 +73,13 @@ class MLSTM(SequenceCell):
     num_blocks: int = allowed(1, low=1)  # the stack's depth, for W_o's init (Wang's: std 2 / (num_blocks sqrt(H)))
 
     name = "mlstm"
-    time_scans = ("parallel", "chunked", "sequential")  # [T, T] scores | chunkwise | one step at a time
+    # [T, T] scores | chunkwise | one step at a time | fused: one step at a time in gated linear attention's CPU
+    # kernel (`rnnlab.fused.mlstm`)
+    time_scans = ("parallel", "chunked", "sequential", "fused")
     # model.time_scan=auto: parallel up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
     # "Forms by length")
     default_time_scan = "auto"
+    auto_fused = False  # not measured faster yet: auto keeps the JAX forms
     auto_forms = ((64, "parallel"),)
     long_form = "chunked"
     input_bias = False  # the reference's up-projection has no bias
@@ -152,6 +156,8 @@ class MLSTM(SequenceCell):
             h = mlstm_parallel(q, k, v, log_i, log_f, state=carried)
         elif time_scan == "chunked":
             h = mlstm_chunked(q, k, v, log_i, log_f, min(self.chunk_size, length), state=carried)
+        elif time_scan == "fused":
+            h = fused.mlstm(q, k, v, log_i, log_f, EPS, state=carried)
         else:
             h = mlstm_recurrent(q, k, v, log_i, log_f, self.chunk_size, state=carried)
         after = None
@@ -177,8 +183,8 @@ class MLSTM(SequenceCell):
         per_token = 3 * 2 * width * self.qkv_proj_blocksize + 2 * 2 * 3 * width * heads + 2 * width * self.hidden_dim
         if time_scan == "parallel":  # q k^T and the weights times V, over all T x T pairs (masked half included)
             mixing = heads * 4 * seq_len * seq_len * d
-        elif time_scan == "sequential":  # k_t^T v_t, q_t C_t, q_t . n_t per step, over whole blocks
-            mixing = heads * padded_length(seq_len, self.chunk_size) * (4 * d * d + 2 * d)
+        elif time_scan in ("sequential", "fused"):  # k_t^T v_t, q_t C_t, q_t . n_t per step (sequential: whole blocks)
+            mixing = heads * self._steps(seq_len, time_scan) * (4 * d * d + 2 * d)
         else:  # per chunk of L: K^T V (the outgoing state), Q K^T, S V, Q C, Q n
             chunk = min(self.chunk_size, seq_len)
             chunks = padded_length(seq_len, chunk) // chunk
@@ -186,8 +192,12 @@ class MLSTM(SequenceCell):
         return per_token * seq_len + mixing
 
     def mixing_recompute_flops(self, seq_len, time_scan):
-        # The sequential form's backward reruns each checkpointed block's steps.
-        if time_scan != "sequential":
+        # The sequential and fused forms' backward reruns each checkpointed block's steps.
+        if time_scan not in ("sequential", "fused"):
             return 0
         d = self.head_dim
-        return self.num_heads * padded_length(seq_len, self.chunk_size) * (4 * d * d + 2 * d)
+        return self.num_heads * self._steps(seq_len, time_scan) * (4 * d * d + 2 * d)
+
+    def _steps(self, seq_len, time_scan):
+        """The steps a one-step-at-a-time form runs: the sequential form's whole blocks, the kernel's T."""
+        return seq_len if time_scan == "fused" else padded_length(seq_len, self.chunk_size)

@@ -91,7 +91,7 @@ MODELS = [("mamba2", ["num_layers=1", "model.head_dim=8", "model.state_size=4", 
           ("gla", ["model.num_heads=2"]), ("linear_attention", ["model.num_heads=2"]),
           ("mamba2", ["model.head_dim=8", "model.state_size=4"]), ("rwkv7", ["model.num_heads=2"]),
           ("rwkv7", ["model.num_heads=2", "model.allow_neg_eigval=true"]), ("mamba", ["model.state_size=4"]),
-          ("mamba", ["model.state_size=4", "model.allow_neg_eigval=true"])]
+          ("mamba", ["model.state_size=4", "model.allow_neg_eigval=true"]), ("mlstm", ["model.num_heads=2"])]
 
 
 @pytest.mark.parametrize("model, overrides", fast_first(MODELS, why="cross-product"),
@@ -242,7 +242,7 @@ def test_a_kernel_that_cannot_compile_says_why_and_leaves_nothing(monkeypatch, t
     assert not list(tmp_path.rglob("*.tmp")) and not list(tmp_path.rglob("*.so"))
 
 
-@pytest.mark.parametrize("model", ["deltanet", "gated_deltanet", "gla", "linear_attention", "mamba2", "rwkv7"])
+@pytest.mark.parametrize("model", ["deltanet", "gated_deltanet", "gla", "linear_attention", "mamba2", "rwkv7", "mlstm"])
 def test_the_fused_forms_flops_are_the_sequential_forms_where_they_do_the_same_steps(model):
     """A length that is a whole number of the sequential form's blocks (no padded steps): the fused kernel runs the
     same steps, so its FLOPs (each cell's own `fused` formula) equal the sequential form's, forward and recomputed."""

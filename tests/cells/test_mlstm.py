@@ -1,6 +1,6 @@
-"""The xLSTM's mLSTM (rnnlab.cells.mlstm_forms, rnnlab.cells.mlstm). Fast tier: each form against a float64
-NumPy loop of the paper's stabilised equations (values), each other's gradients, finite differences of the
-loop; the layer's forms through a whole model; init, state size, refusals. Full tier: the authors' own
+"""The xLSTM's mLSTM (rnnlab.cells.mlstm_forms, rnnlab.cells.mlstm; the fused form rnnlab.fused.mlstm). Fast tier:
+each form against a float64 NumPy loop of the paper's stabilised equations (values), each other's gradients,
+finite differences of the loop; the layer's forms through a whole model; init, state size, refusals. Full tier: the authors' own
 references, mlstm-kernels' native forms (outputs and the gradients of q, k, v, i, f: torch autograd against
 jax.vjp, one random cotangent, float32) and xlstm's `mLSTMLayer` (the layer, its weights copied over).
 
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import fast_first, require, tiny_config
+from rnnlab import fused
 from rnnlab.cells import get_cell
 from rnnlab.cells.mlstm_forms import mlstm_chunked, mlstm_parallel, mlstm_recurrent
 from rnnlab.config import ConfigError
@@ -29,6 +30,7 @@ FORMS = {
     "parallel": mlstm_parallel,
     "chunked": functools.partial(mlstm_chunked, chunk_size=CHUNK),
     "sequential": functools.partial(mlstm_recurrent, checkpoint_every=CHUNK),
+    "fused": functools.partial(fused.mlstm, eps=EPS),  # gated linear attention's CPU kernel
 }
 
 
@@ -85,7 +87,8 @@ def grads(form, length=13):
     return args, weights, [np.asarray(x, np.float64) for x in g]
 
 
-@pytest.mark.parametrize("form", [pytest.param("parallel", marks=pytest.mark.slow("cross-product")), "sequential"])
+@pytest.mark.parametrize("form", [pytest.param("parallel", marks=pytest.mark.slow("cross-product")), "sequential",
+                                  "fused"])
 def test_every_form_has_the_chunked_forms_gradients(form):
     for a, b in zip(grads(form)[2], grads("chunked")[2]):
         assert_close(a, b)
