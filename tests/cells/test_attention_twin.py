@@ -71,9 +71,9 @@ class TextbookTransformer(nn.Module):
         return nn.Dense(self.outputs)(nn.RMSNorm()(x))
 
 
-def train_accuracy_curve(model, config, task, seed=0):
-    """Train `model` for config.steps on rnnlab's MQAR stream with rnnlab's optimizer; eval accuracy on
-    the held-out stream at steps 500 and the last."""
+def train_accuracy_curve(model, config, task, seed=0, until=0.99, every=250):
+    """Train `model` for config.steps on rnnlab's MQAR stream with rnnlab's optimizer (its schedule over all of
+    them); eval accuracy on the held-out stream every `every` steps, stopping once it reaches `until`."""
     tx, _ = steps.make_optimizer(config.optimizer, config.steps)
     batch = config.batch_size
     params = jax.jit(model.init)(jax.random.key(seed), task.example_inputs(batch))["params"]
@@ -100,10 +100,12 @@ def train_accuracy_curve(model, config, task, seed=0):
         return jax.lax.fori_loop(first, last + 1, lambda step, c: update(*c, step), (params, opt_state))
 
     curve = {}
-    for first in range(1, config.steps + 1, 500):
-        last = min(first + 499, config.steps)
+    for first in range(1, config.steps + 1, every):
+        last = min(first + every - 1, config.steps)
         params, opt_state = train_until(params, opt_state, jnp.int32(first), jnp.int32(last))
         curve[last] = float(accuracy(params))
+        if curve[last] >= until:
+            break
     return curve
 
 
@@ -137,5 +139,8 @@ def test_rnnlab_attention_learns_recall_as_its_textbook_twin_does():
         twin_curve = train_accuracy_curve(twin, config, task)
         ours_curve = train_accuracy_curve(ours, config, task)
     print(f"accuracy by step: textbook twin {twin_curve}, rnnlab model=attention {ours_curve}")
-    assert twin_curve[STEPS] >= 0.99, twin_curve  # the task and optimizer are learnable as set up here
-    assert ours_curve[STEPS] >= min(0.99, twin_curve[STEPS] - 0.01), (ours_curve, twin_curve)
+    # Each trained until it reaches 0.99 (or for all STEPS): the twin must (the task and optimizer are learnable as
+    # set up here), and ours within 0.01 of it
+    twin_best, ours_best = max(twin_curve.values()), max(ours_curve.values())
+    assert twin_best >= 0.99, twin_curve
+    assert ours_best >= min(0.99, twin_best - 0.01), (ours_curve, twin_curve)
