@@ -3,6 +3,7 @@ side by side in one process.
 
     python scripts/bench_cells.py zoo     # ms per train step, x the GRU, model FLOPs x the GRU's, MFU: every cell at
                                           # the three zoo shapes
+    python scripts/bench_cells.py flops   # model FLOPs per train step x the GRU's at each zoo shape (counted, no run)
     python scripts/bench_cells.py init    # init + compile time of the stacked layers, scan vs vmap init
     python scripts/bench_cells.py remat   # XLA's peak temp memory of the compiled gradient, remat on vs off
 
@@ -133,6 +134,37 @@ def train_rate(overrides: list[str], steps: int) -> dict:
     return results
 
 
+def bench_flops(args) -> None:
+    """Each setting's model FLOPs per train step against the GRU's at each zoo shape, counted (no run): the time
+    ratio a cell reaches at the GRU's MFU."""
+    from hydra import compose, initialize_config_dir
+
+    from rnnlab import flops, tasks
+    from rnnlab.config import from_omegaconf
+
+    shapes = {name: ZOO_SHAPES[name] for name in args.shapes}
+    settings = args.settings or ZOO_SETTINGS
+    print("model FLOPs of a train step (forward, backward; the forms `auto` runs on this CPU) x the GRU's\n")
+    print("| setting | " + " | ".join(shapes) + " |\n|---|" + "---|" * len(shapes))
+    counts = {}
+    for setting in dict.fromkeys(["gru", *settings]):
+        for shape, preset in shapes.items():
+            with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+                try:
+                    config = from_omegaconf(compose(config_name="config", overrides=[
+                        *preset, f"model={setting.split()[0]}", *setting.split()[1:]]))
+                except Exception:  # noqa: BLE001 - a setting this shape refuses (attention on text)
+                    counts[shape, setting] = None
+                    continue
+            task = tasks.make_task(config.data)
+            model = build_model(config.model, task.output_dim, "cpu", task.input_dim)
+            counts[shape, setting] = flops.train_step_flops(model.config, task.input_dim, task.output_dim,
+                                                            config.batch_size * task.total_len, task.total_len,
+                                                            task.token_inputs, 1, model.layer_cells)
+        row = [counts[shape, setting] and counts[shape, setting] / counts[shape, "gru"] for shape in shapes]
+        print(f"| {setting} | " + " | ".join("refused" if r is None else f"{r:.1f}" for r in row) + " |")
+
+
 def bench_zoo(args) -> None:
     import logging
     import platform
@@ -173,7 +205,7 @@ def bench_zoo(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["zoo", "init", "remat"])
+    parser.add_argument("what", choices=["zoo", "flops", "init", "remat"])
     parser.add_argument("--shapes", nargs="+", choices=list(ZOO_SHAPES), default=[s for s in ZOO_SHAPES if s != "text"])
     parser.add_argument("--settings", nargs="+", help="zoo: cells, each optionally with overrides "
                         "('deltaproduct model.num_householder=3'); default: every cell and the switch-on DeltaProducts")
@@ -191,7 +223,7 @@ def main() -> None:
     args.repeats = args.repeats or (3 if args.what == "zoo" else 5)
     cpu.set_cpu_xla_flags()  # as train.py compiles on CPU (before anything starts the backend)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.2f} at start\n")
-    {"zoo": bench_zoo, "init": bench_init, "remat": bench_remat}[args.what](args)
+    {"zoo": bench_zoo, "flops": bench_flops, "init": bench_init, "remat": bench_remat}[args.what](args)
     print(f"\nload average {os.getloadavg()[0]:.2f} at end")
 
 
