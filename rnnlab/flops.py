@@ -56,7 +56,7 @@ A hybrid (`model.pattern`) sums each layer's own cell (its G, R and `mixing_flop
 `time_scan`) in the per-layer terms above; its first layer never folds the projection
 (`models.folds_first_layer`), so its input costs the unfolded terms.
 
-Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `scripts/peak_flops.py`
+Peak: `peak_flops(device, kind)` reads the matmul FLOP/s that `python -m rnnlab.peak_flops`
 measured for this device kind (cached in `$XDG_CACHE_HOME/rnnlab/peak_flops.json`,
 default `~/.cache/rnnlab/`), or measures a quick one (an N=1024 matmul, about a
 second) and caches it; a cached peak that is not plausible (`peak_entry_problem`) is
@@ -293,7 +293,7 @@ def peak_entry_problem(entry: Any) -> str | None:
     the entry itself records: `flops_per_sec` must be a number within PEAK_BOUNDS and, where
     the entry has a `quick_flops_per_sec` (the quick measurement it was taken as, which
     `peak_flops` stores with every peak it measures), within QUICK_FACTOR of that, so an edit
-    of one figure alone is caught. Entries without one (`scripts/peak_flops.py`'s sweeps, whose
+    of one figure alone is caught. Entries without one (`python -m rnnlab.peak_flops`'s sweeps, whose
     figure is the measurement the quick one would only approximate) get the bounds alone.
     """
     if not isinstance(entry, dict):
@@ -384,7 +384,7 @@ def peak_flops(device: Any, kind: str = "float32", measure: bool = True) -> floa
     peak = measure_matmul_flops(QUICK_N, kinds[-1], device, repeats=5, min_seconds=0.05)
     try:
         for k in dict.fromkeys([kinds[-1], *bad]):
-            save_peak(device, k, peak, source=f"quick N={QUICK_N} (run scripts/peak_flops.py for the full sweep)",
+            save_peak(device, k, peak, source=f"quick N={QUICK_N} (run python -m rnnlab.peak_flops for the full sweep)",
                       n=QUICK_N, quick_flops_per_sec=peak)
     except OSError:
         pass  # a read-only home still gets its MFU, just without the cache
@@ -403,7 +403,7 @@ def mfu(flops_per_sec: float | None, peak: float | None, devices: list) -> float
             _warned_peaks.add(peak)
             log.warning("the model's %.3g FLOP/s exceed %.1fx the cached peak of %.3g FLOP/s (%s): that peak was "
                         "measured low, on a busy core; MFU is not reported. Measure it again: python "
-                        "scripts/peak_flops.py", flops_per_sec, MFU_ABOVE_PEAK, peak * chips, cache_path())
+                        "python -m rnnlab.peak_flops", flops_per_sec, MFU_ABOVE_PEAK, peak * chips, cache_path())
         return None
     return value if math.isfinite(value) and value > 0 else None
 

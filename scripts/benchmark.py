@@ -35,7 +35,7 @@ warmed up, then the three are timed in turn within every repeat (so a change in 
 load hits them alike) and the median per-step time is kept. Ratios are the other
 framework's step time over rnnlab's: above 1 means rnnlab is faster. GFLOP/s and MFU
 use rnnlab's analytic model FLOPs (rnnlab/flops.py) and the peak cached by
-scripts/peak_flops.py for float32 at JAX's default matmul precision, which the model
+python -m rnnlab.peak_flops for float32 at JAX's default matmul precision, which the model
 runs at (TF32 on NVIDIA GPUs; full float32 on CPU), measured quickly if none is cached.
 """
 

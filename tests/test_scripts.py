@@ -1,4 +1,4 @@
-"""scripts/peak_flops.py and scripts/benchmark.py run and write what they say, on tiny shapes; the package's tools
+"""rnnlab.peak_flops and scripts/benchmark.py run and write what they say, on tiny shapes; the package's tools
 (`python -m rnnlab.eval_long`, ...) and the scripts that wrap them answer alike."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, TEXT_FIXTURE_DATA, require, train_env
-from rnnlab import flops, tasks
+from rnnlab import flops, peak_flops, tasks
 
 
 def load_script(name):
@@ -23,7 +23,7 @@ def load_script(name):
 
 def test_peak_script_measures_each_kind_and_caches_the_best(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    out = load_script("peak_flops").main(
+    out = peak_flops.main(
         ["--sizes", "32", "64", "--repeats", "1", "--min-seconds", "0.001", "--json", str(tmp_path / "peak.json")]
     )
     assert set(out["table"]) == {"float32", "bfloat16"}  # on CPU float32_default is float32: not measured twice
@@ -222,7 +222,7 @@ def test_the_package_tools_and_their_script_wrappers_answer_help_alike(monkeypat
     module = subprocess.run([sys.executable, "-m", "rnnlab.eval_long", "--help"], cwd=ROOT, env=train_env(),
                             capture_output=True, text=True, timeout=120)
     assert module.returncode == 0 and module.stdout.startswith("usage: eval_long "), module.stderr[-2000:]
-    for name in ("eval_long", "sample", "summarize"):
+    for name in ("eval_long", "sample", "summarize", "peak_flops"):
         shown = {}
         for how, run in (("module", lambda: runpy.run_module(f"rnnlab.{name}", run_name="__main__")),
                          ("script", lambda: runpy.run_path(str(ROOT / "scripts" / f"{name}.py"), run_name="__main__"))):
