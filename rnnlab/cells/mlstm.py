@@ -79,7 +79,9 @@ class MLSTM(SequenceCell):
     # model.time_scan=auto: parallel up to T=64, the chunked form beyond (measured: docs/benchmarks.md,
     # "Forms by length")
     default_time_scan = "auto"
-    auto_fused = False  # not measured faster yet: auto keeps the JAX forms
+    # auto keeps the JAX forms: the train step measured slower fused (0.7x at S3's shape, 0.9x at MQAR's;
+    # docs/benchmarks.md, "Fused kernels")
+    auto_fused = False
     auto_forms = ((64, "parallel"),)
     long_form = "chunked"
     input_bias = False  # the reference's up-projection has no bias
