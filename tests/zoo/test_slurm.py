@@ -170,9 +170,9 @@ def test_the_train_command_has_train_py_save_before_submitit_requeues_it(tmp_pat
 
 # --- sweeps: hydra/launcher=slurm ---------------------------------------------------------------------------------
 
-STEPS = 60000
+STEPS, FIRST_LOG = 60000, 1000
 SWEEP_RUN = ["model=gru", "hidden_dim=8", "num_layers=1", "batch_size=8", "data.seq_len=6", f"steps={STEPS}",
-             "log_every=1000", f"eval_every={STEPS}", "eval_batches=1", "checkpoint.every=0", "device=cpu",
+             f"log_every={FIRST_LOG}", f"eval_every={STEPS}", "eval_batches=1", "checkpoint.every=0", "device=cpu",
              "device.num_devices=1"]
 LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.gpus_per_node=0",
             "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10"]
@@ -203,10 +203,12 @@ def test_sweep_jobs_past_their_time_limit_or_requeued_resume_to_the_uninterrupte
                                          env=train_env(), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
                   for seed in (0, 1)}
     logs = {seed: sweep_dir / f"{seed}_seed={seed}" / "train.log" for seed in (0, 1)}
-    wait_for(logs[0], f"step 2000/{STEPS}", sweep)
+    # Both signalled as soon as both are training (their first log line), so that each has most of its steps left
+    # while SLURM delivers the signal: on a quick machine the rest of a run takes seconds
+    for seed in (0, 1):
+        wait_for(logs[seed], f"step {FIRST_LOG}/{STEPS}", sweep)
     job = {j["id"].split("_")[-1]: j["id"] for j in slurm.jobs() if j["name"] == "train" and "_" in j["id"]}
     subprocess.run(["scancel", "--signal=USR2", job["0"]], env=env(slurm), check=True)
-    wait_for(logs[1], f"step 2000/{STEPS}", sweep)
     subprocess.run(["scontrol", "requeue", job["1"]], env=env(slurm), check=True)
     out = sweep.communicate(timeout=600)[0]
     assert sweep.returncode == 0, out[-3000:]
@@ -217,7 +219,7 @@ def test_sweep_jobs_past_their_time_limit_or_requeued_resume_to_the_uninterrupte
         resumed = [line for line in text.splitlines() if "resumed from" in line]
         assert len(resumed) == 1, text[-3000:]
         step = int(resumed[0].rsplit("at step ", 1)[1].split()[0])
-        assert 2000 <= step < STEPS  # the step it saved on the signal: no periodic checkpoint was written
+        assert FIRST_LOG <= step < STEPS  # the step it saved on the signal: no periodic checkpoint was written
         results = json.loads((logs[seed].parent / "results.json").read_text())
         alone = json.loads((tmp_path / f"alone{seed}" / "results.json").read_text())
         assert results["status"] == alone["status"] == "completed" and results["step"] == STEPS
