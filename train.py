@@ -99,7 +99,7 @@ def parsed_overrides(args: list[str]) -> list:
 def _hydra_flags() -> argparse.ArgumentParser:
     """hydra.main's command line, as far as it tells flags from overrides: its flags that take a value (`-cd DIR`,
     `--cfg job`, `--info [what]`); the others take none, so that `parse_known_args` leaves them aside. Hydra's own
-    parser is private (hydra._internal); tests/test_cli.py holds this one to it."""
+    parser is private (hydra._internal); tests/test_sweeps.py holds this one to it."""
     parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
     parser.add_argument("overrides", nargs="*")
     for flags in (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import exit_codes, parallel, steps, tasks, trained
+from rnnlab import exit_codes, steps, tasks, trained
 from rnnlab.checkpoint import PreemptionGuard, saved_steps
 
 EXIT_BAD_INPUT, EXIT_STOPPED, EXIT_ABORTED = exit_codes.BAD_INPUT, exit_codes.PREEMPTED, exit_codes.ABORTED

@@ -195,8 +195,7 @@ def mlstm(q: jax.Array, k: jax.Array, v: jax.Array, log_i: jax.Array, log_f: jax
     keys = jnp.exp(log_i - m)[..., None] * f32(k)
     values = jnp.concatenate([f32(v), jnp.ones((length, batch, heads, 1), jnp.float32)], axis=-1)
     s0 = jnp.concatenate([c0, n0[..., None]], axis=-1)
-    o, s_last = _gated_linear(f32(q) / math.sqrt(dk), keys, values, jnp.broadcast_to(forget[..., None], keys.shape),
-                              s0)
+    o, s_last = gated_linear(q / math.sqrt(dk), keys, values, forget, s0)  # one transition per head
     h = o[..., :dv] / (jnp.maximum(jnp.abs(o[..., dv]), jnp.exp(-m)) + eps)[..., None]
     h = h.astype(v.dtype)
     return h if state is None else (h, (s_last[..., :dv], s_last[..., dv], m[-1]))

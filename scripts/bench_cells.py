@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from rnnlab import cpu  # noqa: E402
-from rnnlab.config import ModelConfig  # noqa: E402
+from rnnlab.config import ConfigError, ModelConfig  # noqa: E402
 from rnnlab.models import build_model  # noqa: E402
 
 BASE = ModelConfig(
@@ -153,7 +153,7 @@ def bench_flops(args) -> None:
                 try:
                     config = from_omegaconf(compose(config_name="config", overrides=[
                         *preset, f"model={setting.split()[0]}", *setting.split()[1:]]))
-                except Exception:  # noqa: BLE001 - a setting this shape refuses (attention on text)
+                except ConfigError:  # a setting this shape refuses (full attention on text)
                     counts[shape, setting] = None
                     continue
             task = tasks.make_task(config.data)

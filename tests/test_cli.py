@@ -106,4 +106,3 @@ def test_sweeper_params_with_a_plus_prefix_count_as_varied(monkeypatch):
     monkeypatch.setenv(train.SWEPT_KEYS_ENV, "hidden_dim")
     assert train.varied_overrides(node) == ["+model.r_min=0.5", "hidden_dim=8"]
     assert train.swept_keys(["-m", "-cd", "conf", "hidden_dim=8,16", "model=rnn,gru", "steps=3"]) == ["hidden_dim", "model"]
-

@@ -456,8 +456,8 @@ def test_train_py_tells_hydras_flags_from_overrides_as_hydra_main_does():
     spec = importlib.util.spec_from_file_location("train_cli", ROOT / "train.py")
     train = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train)
-    def valued(parser):
-        return {flag: (action.nargs in (None, "?")) for action in parser._actions for flag in action.option_strings
+    def valued(parser):  # each flag that takes a value, and how many (None: one; "?": one or none)
+        return {flag: action.nargs for action in parser._actions for flag in action.option_strings
                 if action.nargs != 0}
     assert valued(train._HYDRA_FLAGS) == valued(get_args_parser())
     args = ["-m", "-cd", "conf", "--cfg", "job", "-p", "model", "--info", "config", "hidden_dim=8,16", "model=rnn", "-r"]
