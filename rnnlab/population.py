@@ -1,16 +1,14 @@
-"""`train_population`: the runs of a grid that differ only in their `steps.Hyperparameters` values (the lr, the
-seed, ...) trained as one program with a member axis, each member reporting, saving and resuming exactly as
-its own run would (its run dir, results.json, TensorBoard run and checkpoints).
+"""The member axis: the runs of a grid that differ only in their `steps.Hyperparameters` values (the lr, the seed,
+...) trained as one program (`rnnlab.trainer.train_population`), each member reporting, saving and resuming exactly
+as its own run would (its run dir, results.json, TensorBoard run and checkpoints).
 
 The train state is a `steps.PopulationState` (the members' states stacked, and which still train); every step
 `jax.vmap`s the run's step over the members inside the data-parallel map, so the member axis sits beside the
-device axis. The loop (`rnnlab.loop.train_loop`) is the one a single run uses: it talks to a
-`PopulationReporter` and a `PopulationCheckpointer`, which hand each member's share to that member's own
-`Reporter` and `Checkpointer`. A member whose loss or gradient norm is not finite stops (on the device its
-updates are masked; on the host its run ends as "diverged") while the others go on; so does a member whose save
-fails ("failed"), and a member that cannot start (its run dir, its checkpoints, a refused resume) is left out of the
-program. A rerun resumes every member at the newest step that all of them saved; a member whose run completed with
-its config (`rundir.final_record`) is left as it is.
+device axis (`member_axis`, the population's `Program`). The orchestration and the loop are the ones a run alone
+uses: the loop talks to a `PopulationReporter` and a `PopulationCheckpointer`, which hand each member's share to
+that member's own `Reporter` and `Checkpointer`. A member whose loss or gradient norm is not finite stops (on the
+device its updates are masked; on the host its run ends as "diverged") while the others go on; so does a member
+whose save fails ("failed").
 """
 
 from __future__ import annotations
@@ -19,23 +17,18 @@ import contextlib
 import contextvars
 import dataclasses
 import logging
-import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import compile_cache, memory, parallel, tasks
-from rnnlab.checkpoint import CheckpointError, Checkpointer, CheckpointSaveError
-from rnnlab.loop import train_loop
-from rnnlab.models import count_params
+from rnnlab import memory, tasks
+from rnnlab.checkpoint import Checkpointer, CheckpointSaveError
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
-from rnnlab.rundir import RunDirLock, check_writable, final_record
-from rnnlab.setup import plan
-from rnnlab.steps import PopulationState, make_step_functions, stack_hyperparameters
-from rnnlab.trainer import compile_dispatch, restore_or_init
+from rnnlab.setup import Setup
+from rnnlab.steps import PopulationState, StepFunctions, make_step_functions, stack_hyperparameters
 
 log = logging.getLogger("rnnlab.trainer")
 
@@ -111,167 +104,43 @@ def check_members(members: Sequence[Member]) -> None:
                 f"{members[0].workdir}")
 
 
-Result = tuple[dict[str, Any], BaseException | None]  # a member's results.json dict, and what ended it early
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What the loop trains (`rnnlab.trainer.train_members`): the step functions, the replicated state, the
+    reporter and checkpointer the loop talks to (a run's own, or a population's adapters), the memory check of the
+    compiled dispatch (XLA's memory analysis in; OutOfMemoryError out), and `ended(k)`: (the error that ended
+    member k while the others trained on, the step where it ended), (None, None) for a member that did not."""
+
+    fns: StepFunctions
+    state: Any
+    reporter: Any  # Reporter, or PopulationReporter
+    saver: Any  # Checkpointer, or PopulationCheckpointer
+    check_fits: Callable[[Any], None]
+    ended: Callable[[int], tuple[BaseException | None, int | None]]
 
 
-def train_population(members: Sequence[Member], *, locked: bool = False) -> list[Result]:
-    """Train `members` as one program; returns each member's (results.json dict, the error that ended it early or
-    None), in order. Raises as `train_and_evaluate` does for what stops them all before training (bad input,
-    a population that cannot fit: `memory.check_population_fits` says how many members would).
-
-    A member's own fault fails that member alone, the others train on: before training (its run dir cannot be
-    written or is held, its checkpoints cannot be restored or refuse the config: `_member_fault`), it is left out of
-    the program, its results {"status": "failed", "error": ...} (its results.json is the caller's to write, as
-    for a run `train_and_evaluate` refuses); a save that fails mid-run ends it as "failed" (its saves stop, its
-    results.json says so). A member whose run completed with its config (`rundir.final_record`) is neither
-    trained nor evaluated nor written: its record is returned as it stands. `locked`: the caller holds the members'
-    run-dir locks (the launcher, which checks them before it touches anything)."""
-    wall_start = time.perf_counter()
-    check_members(members)
-    outcome: dict[int, Result] = {}
-    for i, m in enumerate(members):
-        record = final_record(m.workdir, m.config)
-        if record is not None:
-            with speaking_for(i):
-                log.info("%s already completed at step %d with this config: left as it is", m.workdir, record["step"])
-            outcome[i] = (record, None)
-    todo = [i for i in range(len(members)) if i not in outcome]
-    if not todo:
-        return [outcome[i] for i in range(len(members))]
-    first = members[todo[0]].config
-    cache = compile_cache.enable(first.device.compile_cache)
-    devices = parallel.start_backend(first)
-    with contextlib.ExitStack() as cleanup:
-        checkpointers: dict[int, Checkpointer] = {}
-        setups: dict[int, Any] = {}
-        try:
-            for i in todo:
-                m = members[i]
-                with speaking_for(i), _member_fault(i, outcome):
-                    check_writable(m.workdir)
-                    if not locked:
-                        cleanup.enter_context(RunDirLock(m.workdir, jax.process_index()))
-                    c = Checkpointer(m.workdir / "checkpoints", m.config.checkpoint.every, m.config.checkpoint.keep)
-                    cleanup.callback(c.close)
-                    checkpointers[i] = c
-                    anchor = next(iter(setups.values()), None)  # the first member's devices: every member's
-                    setup = plan(m.config, m.workdir, devices if anchor is None else list(anchor.devices), c)
-                    if anchor is not None:
-                        setup = dataclasses.replace(setup, devices=anchor.devices, device_note=anchor.device_note)
-                    setups[i] = setup
-            states, start_step = _restore_or_init_all(setups, checkpointers, outcome)
-            reporters: dict[int, Reporter] = {}
-            for i in list(states):
-                m = members[i]
-                with speaking_for(i), _member_fault(i, outcome):
-                    reporters[i] = Reporter(setups[i], start_step, m.overrides,
-                                            m.overrides if m.varied is None else m.varied, first=not reporters)
-                    cleanup.callback(reporters[i].close)
-            ids = list(reporters)
-            if not ids:
-                return [outcome[i] for i in range(len(members))]
-            first, anchor = members[ids[0]].config, setups[ids[0]]
-            hyper = stack_hyperparameters([members[i].config for i in ids])
-            fns = make_step_functions(first, anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES, hyper)
-            reporter = PopulationReporter([reporters[i] for i in ids], ids)
-            num_params = count_params(states[ids[0]].params)
-            # One structure (the first member's: the members' optimizers are equal but for their numbers, which are
-            # inputs).
-            stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(
-                [np.stack(leaves) for leaves in zip(*(jax.tree_util.tree_leaves(states[i]) for i in ids))])
-            del states  # the members' own copies: only the replicated stack stays on the devices
-            state_bytes = memory.tree_bytes(stacked)
-            memory.check_fits(f"the train states of {len(ids)} members", state_bytes, state_bytes, anchor.devices,
-                              first)
-            state = fns.dp.replicate(PopulationState(stacked, np.ones(len(ids), bool)))
-            del stacked
-            memory.check_population_fits(compile_dispatch(fns, reporter, state, cache), state_bytes, len(ids),
-                                         anchor.devices, first)
-        except Exception as e:
-            if memory.is_out_of_memory(e):
-                raise memory.out_of_memory_error(e, first) from None
-            raise
-        for i in ids:  # once nothing can refuse the population: a member ahead goes back to the others' step
-            with speaking_for(i):
-                checkpointers[i].discard_after(start_step)
-        log.info("population of %d members (%s) as one program", len(ids),
-                 ", ".join(" ".join(members[i].varied or members[i].overrides) or members[i].workdir.name
-                           for i in ids))
-        reporter.log_start(num_params)
-        saver = PopulationCheckpointer([checkpointers[i] for i in ids], reporter)
-        loop_outcome = train_loop(first, fns, reporter, saver, state, start_step)
-        stopped = loop_outcome.error
-        if stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
-                and not any(e is stopped for e in reporter.ended):  # not one member's own error
-            log.error("the population stopped: %s", stopped, exc_info=stopped)  # every member's log
-        for k, (i, member_reporter) in enumerate(zip(ids, reporter.reporters)):
-            own = reporter.ended[k]
-            error = own or loop_outcome.error
-            if isinstance(own, NonFiniteLossError):
-                status, step = "diverged", own.step
-            elif own is not None:
-                status, step = "failed", reporter.ended_at[k]
-            else:
-                status, step = loop_outcome.status, None
-            with speaking_for(i):
-                out = member_reporter.results(status, step, num_params, wall_start, error)
-                member_reporter.finish(out)
-                if error is None:
-                    member_reporter.log_end(out)
-            outcome[i] = (out, error)
-        return [outcome[i] for i in range(len(members))]
-
-
-@contextlib.contextmanager
-def _member_fault(index: int, outcome: dict[int, Result]) -> Iterator[None]:
-    """Within: what member `index` does alone. An error there fails that member (recorded in `outcome`, logged in its
-    own train.log: a traceback for what is not bad input) and is not raised; the caller leaves the member out."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except Exception as e:  # noqa: BLE001 - this member's alone: the others train on
-        if memory.is_out_of_memory(e):
-            raise
-        expected = isinstance(e, (cfg.ConfigError, CheckpointError))
-        log.error("member %d cannot train, the other members go on: %s", index, _one_line(e),
-                  exc_info=None if expected else e)
-        outcome[index] = ({"status": "failed", "error": _one_line(e), "step": None}, e)
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    line = text.splitlines()[0] if text else ""
-    return line if isinstance(error, (cfg.ConfigError, CheckpointError)) else f"{type(error).__name__}: {line}"
-
-
-def _restore_or_init_all(setups: dict[int, Any], checkpointers: dict[int, Checkpointer],
-                         outcome: dict[int, Result]) -> tuple[dict[int, Any], int]:
-    """({member: its unreplicated state}, their common step): every member restored at the newest step that all of
-    them saved (after a SIGKILL between the members' saves, some have one more; the launcher groups members by
-    their newest step, so this is the rare case), or all initialised. A member that cannot be restored (no readable
-    checkpoint, a refused config change) fails alone (`_member_fault`) and the others go on without it.
-    CheckpointError rather than a member's checkpoints left behind for a fresh start: train such members apart
-    (hydra/launcher=basic)."""
-    alive = [i for i in setups if i not in outcome]
-    common = min((checkpointers[i].latest_step() or 0 for i in alive), default=0)
-    while True:
-        restored = {}
-        for i in alive:
-            with speaking_for(i), _member_fault(i, outcome):
-                restored[i] = restore_or_init(setups[i], checkpointers[i], common)
-        alive = list(restored)
-        steps = {step for _, step in restored.values()}
-        if len(steps) <= 1:
-            break
-        common = min(steps)  # a member's checkpoint at `common` did not restore: go back to what every one has
-    fresh = [checkpointers[i].directory for i, (_, step) in restored.items()
-             if step == 0 and checkpointers[i].latest_step()]
-    if fresh:
-        raise CheckpointError(
-            f"the members have no checkpoint step in common, and {fresh[0]} would start afresh; train its run apart "
-            f"(hydra/launcher=basic) or move its checkpoints away")
-    return {i: state for i, (state, _) in restored.items()}, (steps.pop() if steps else 0)
+def member_axis(configs: Sequence[cfg.Config], setups: Sequence[Setup], states: dict[int, Any],
+                reporters: Sequence[Reporter], checkpointers: Sequence[Checkpointer], ids: Sequence[int]) -> Program:
+    """The program of a population: the members' states stacked (`states`, emptied here: only the replicated stack
+    stays on the devices) in a `PopulationState`, the run's step `jax.vmap`ped over them with each member's
+    `steps.Hyperparameters` as inputs, and the adapters that hand each member's share to its own reporter and
+    checkpointer. `ids`: each member's index among the caller's, for `speaking_for`. OutOfMemoryError if the
+    stacked states cannot fit."""
+    first, anchor = configs[0], setups[0]
+    fns = make_step_functions(first, anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES,
+                              stack_hyperparameters(configs))
+    reporter = PopulationReporter(reporters, ids)
+    # One structure (the first member's: the members' optimizers are equal but for their numbers, which are inputs).
+    stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(
+        [np.stack(leaves) for leaves in zip(*(jax.tree_util.tree_leaves(states[i]) for i in ids))])
+    states.clear()
+    state_bytes = memory.tree_bytes(stacked)
+    memory.check_fits(f"the train states of {len(ids)} members", state_bytes, state_bytes, anchor.devices, first)
+    state = fns.dp.replicate(PopulationState(stacked, np.ones(len(ids), bool)))
+    del stacked
+    return Program(fns, state, reporter, PopulationCheckpointer(checkpointers, reporter),
+                   lambda stats: memory.check_population_fits(stats, state_bytes, len(ids), anchor.devices, first),
+                   lambda k: (reporter.ended[k], reporter.ended_at[k]))
 
 
 class PopulationReporter:

@@ -6,7 +6,7 @@ status line, one per finished job), its train.log (the lines of its own run, and
 trained in), its results.json and exit status; the program's own console (model summaries, XLA's lines)
 goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else, or that cannot resume
 from one step (`_groups`), train in separate populations, one after another. A job's own fault (its run dir, its
-checkpoints, its resume, a failed save) fails that job alone (`rnnlab.population.train_population`); a job whose run
+checkpoints, its resume, a failed save) fails that job alone (`rnnlab.trainer.train_population`); a job whose run
 completed with its config is reported done and left as it is; a run dir another process holds, or a job whose task
 cannot train as a member (data=text: `rnnlab.population.check_task`), refuses the whole launch before anything is
 written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
@@ -276,7 +276,8 @@ def _member_handlers(jobs: list[_Job]) -> list[logging.Handler]:
 def _run_population(launcher: Any, jobs: list[_Job], locked: bool = True) -> dict[int, Any]:
     """Train one population; returns each job's eval loss by job number (its failure, if any, on the job: a member's
     own fault fails that job alone). `locked`: `launch` holds the jobs' run-dir locks."""
-    from rnnlab.population import Member, train_population
+    from rnnlab.population import Member
+    from rnnlab.trainer import train_population
 
     callbacks = launcher.hydra_context.callbacks
     saved = HydraConfig.instance().cfg

@@ -334,6 +334,12 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
+def seed_input(config: cfg.Config, dp: parallel.DataParallel, seeds: np.ndarray | None) -> Any:
+    """The seed the eval and probe programs take as an input (one program for every seed), replicated: the run's
+    (`config.seed`), or a population's members' (`seeds`, uint32[members])."""
+    return dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
+
+
 def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
                    examples: int = 0, seeds: np.ndarray | None = None) -> Evaluator:
     """The `Evaluator` of `task`: its eval step mapped over `dp` (state replicated, batch sharded ->
@@ -355,7 +361,7 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
         sample = jax.vmap(sample, in_axes=(None, 0), out_axes=1)
     p_eval_step = dp.map(evaluate, (parallel.REPLICATED, parallel.SHARDED), out_layouts)
     sampler = dp.map(sample, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
-    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
+    seed = seed_input(config, dp, seeds)
     if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
         options = run_once_options(dp.devices[0].platform)
         sampler = sampler.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
@@ -496,7 +502,7 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
         chunk=dp.map(lambda state, carry, *args: out(chunk(state, into(carry), *args)), (R, S, R, R, R, R), S,
                      donate_argnums=(1,)),
         final=dp.map(lambda state, carry, *args: final(state, into(carry), *args), (R, S, R, R), R))
-    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
+    seed = seed_input(config, dp, seeds)
     return Evaluator(segments, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)], segments=segments)
 
 
@@ -655,7 +661,7 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
-    if carries_state(task) and seeds is None:  # the text streams: the batch and the carried state from the step
+    if carries_state(task):  # the text streams, the batch and the carried state from the step (no population: refused)
         stream_batch, _ = _stream_batches(config, task, per_device, _model(config, task, dp))
 
         def gradients(state, inputs):
@@ -670,7 +676,7 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
         member_gradients = jax.vmap(gradients)
         gradients = lambda state, seed: member_gradients(state.members, seed)  # noqa: E731
     mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
-    seed = dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
+    seed = seed_input(config, dp, seeds)
     return lambda state: mapped(state, seed)
 
 
@@ -912,7 +918,7 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
             return make_segment_evaluator(config, t, per_device, dp, segment, seeds)
         return make_evaluator(config, t, per_device, dp, examples, seeds)
 
-    if carries_state(task) and members is None:  # held-out text through its streams (a population: refused above)
+    if carries_state(task):  # held-out text through its streams (a population: refused by make_dispatch)
         evaluators = {task.seq_len: make_stream_evaluator(config, task, dp, "valid")}
     else:
         evaluators = {task.seq_len: evaluator(task, examples)}
@@ -923,8 +929,8 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
         gradient_probe=make_gradient_probe(config, task, per_device, dp, seeds) if config.log.histograms_every else None,
         members=0 if members is None else len(members.lr),
         final_evaluators={"test": make_stream_evaluator(config, task, dp, "test")}
-        if carries_state(task) and members is None and task.splits["test"].names else {},
-        samples=make_text_samples(config, task, dp) if carries_state(task) and members is None else None,
+        if carries_state(task) and task.splits["test"].names else {},
+        samples=make_text_samples(config, task, dp) if carries_state(task) else None,
     )
 
 

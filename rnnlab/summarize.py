@@ -35,6 +35,8 @@ from typing import Any
 
 import yaml
 
+from rnnlab.exit_codes import BAD_INPUT
+
 OK = "completed"
 SKIP_DIRS = {".hydra", "tensorboard", "checkpoints"}
 
@@ -248,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.root)
     if not sweep.jobs:
         print(f"summarize: no job dirs (with results.json or .hydra/overrides.yaml) under {args.root}", file=sys.stderr)
-        return 1
+        return BAD_INPUT
     out = args.out or args.root
     out.mkdir(parents=True, exist_ok=True)
     table, table_csv = sweep.markdown(), sweep.csv()

@@ -1,35 +1,42 @@
-"""`train_and_evaluate`, the one call that runs a whole job, top to bottom: the backend, the plan
-(a frozen `rnnlab.setup.Setup`), restore, compile (a frozen `rnnlab.steps.StepFunctions`), the
-memory check, the loop (`rnnlab.loop`), results.json (`rnnlab.report.Reporter`).
+"""The one orchestration of training: `train_and_evaluate` (a run alone) and `train_population` (a grid's runs as
+one program with a member axis) are both `train_members`, which sets the runs up, restores, compiles, checks
+memory, trains (`rnnlab.loop`) and writes each run's results.json (`rnnlab.report.Reporter`). What differs is
+only the program the loop trains (`rnnlab.population.Program`): a run alone steps its own state, a population
+its members' states stacked (`rnnlab.population.member_axis`).
 
-Restore order: this run dir's newest restorable checkpoint, else a fresh initialisation.
-The state is unreplicated (NumPy) for the checkpointer and replicated inside the loop.
+Restore order: each run dir's newest restorable checkpoint (a population's: the newest step all of its members
+saved), else a fresh initialisation. The state is unreplicated (NumPy) for the checkpointer and replicated
+inside the loop.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 
 from rnnlab import config as cfg
 from rnnlab import compile_cache, memory, parallel
-from rnnlab.checkpoint import Checkpointer
-from rnnlab.loop import Outcome, train_loop
+from rnnlab.checkpoint import CheckpointError, Checkpointer
+from rnnlab.loop import train_loop
 from rnnlab.models import count_params, summary_table
-from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
+from rnnlab.population import Member, Program, check_members, member_axis, speaking_for
 from rnnlab.provenance import utc_now
+from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.rundir import RunDirLock, check_writable, final_record, resumed_record, run_record
 from rnnlab.setup import Setup, plan
-from rnnlab.steps import StepFunctions, make_step_functions
+from rnnlab.steps import make_step_functions
 
-__all__ = ["NonFiniteLossError", "train_and_evaluate"]
+__all__ = ["NonFiniteLossError", "Result", "train_and_evaluate", "train_members", "train_population"]
 
 log = logging.getLogger(__name__)
+
+Result = tuple[dict[str, Any], BaseException | None]  # a run's results.json dict, and what ended it early
 
 
 def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Sequence[str] = (),
@@ -47,37 +54,195 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
     (second SIGINT) or "failed", and `error` says why it stopped early. A run dir whose run completed with this
     config (`rundir.final_record`) is left as it is: its record is returned and nothing is written.
     """
+    member = Member(config, Path(workdir), tuple(overrides), None if varied is None else tuple(varied))
+    [(results, error)] = train_members([member], alone=True)
+    if error is not None:
+        raise error
+    return results
+
+
+def train_population(members: Sequence[Member], *, locked: bool = False) -> list[Result]:
+    """Train `members` as one program with a member axis; returns each member's (results.json dict, the error that
+    ended it early or None), in order. Raises as `train_and_evaluate` does for what stops them all before training
+    (bad input, a population that cannot fit: `memory.check_population_fits` says how many members would).
+
+    A member's own fault fails that member alone, the others train on: before training (its run dir cannot be
+    written or is held, its checkpoints cannot be restored or refuse the config: `_member_fault`), it is left out of
+    the program, its results {"status": "failed", "error": ...} (its results.json is the caller's to write, as
+    for a run `train_and_evaluate` refuses); a save that fails mid-run ends it as "failed" (its saves stop, its
+    results.json says so). A member whose run completed with its config (`rundir.final_record`) is neither
+    trained nor evaluated nor written: its record is returned as it stands. `locked`: the caller holds the members'
+    run-dir locks (the launcher, which checks them before it touches anything)."""
+    check_members(members)
+    return train_members(members, locked=locked, alone=False)
+
+
+def train_members(members: Sequence[Member], *, locked: bool = False, alone: bool = False) -> list[Result]:
+    """The orchestration of `train_and_evaluate` (`alone`: one member, trained without a member axis, whose faults
+    raise) and `train_population` (the members as one program, each member's fault its own); returns each
+    member's (results.json dict, the error that ended it early or None), in order."""
     wall_start, started_utc = time.perf_counter(), utc_now()
-    workdir = Path(workdir)
-    record = final_record(workdir, config)
-    if record is not None:
-        log.info("%s already completed at step %d with this config: nothing to do (its record is %s)",
-                 workdir, record["step"], workdir / "results.json")
-        return record
-    check_writable(workdir)
-    cache = compile_cache.enable(config.device.compile_cache)
-    devices = parallel.start_backend(config)
+    outcome: dict[int, Result] = {}
+    for i, m in enumerate(members):
+        record = final_record(m.workdir, m.config)
+        if record is not None:
+            with speaking_for(i):
+                log.info("%s already completed at step %d with this config: nothing to do (its record is %s)",
+                         m.workdir, record["step"], m.workdir / "results.json")
+            outcome[i] = (record, None)
+        else:
+            with speaking_for(i), _member_fault(i, outcome, alone):
+                check_writable(m.workdir)
+    todo = [i for i in range(len(members)) if i not in outcome]
+    if not todo:
+        return [outcome[i] for i in range(len(members))]
+    first = members[todo[0]].config
+    cache = compile_cache.enable(first.device.compile_cache)
+    devices = parallel.start_backend(first)
     with contextlib.ExitStack() as cleanup:
-        cleanup.enter_context(RunDirLock(workdir, jax.process_index()))
-        checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint.every, config.checkpoint.keep)
-        cleanup.callback(checkpointer.close)  # on any failure: Orbax's threads end, the process can exit
         try:
-            setup = plan(config, workdir, devices, checkpointer)
-            state, start_step = restore_or_init(setup, checkpointer)
-            fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
-            reporter = Reporter(setup, start_step, overrides, overrides if varied is None else varied,
-                                started_utc=started_utc)
-            cleanup.callback(reporter.close)
-            num_params = count_params(state.params)
-            state = fns.dp.replicate(state)
-            memory.check_step_fits(compile_dispatch(fns, reporter, state, cache), setup.devices, config)
+            setups, checkpointers = _plan_all(members, todo, devices, outcome, cleanup, locked, alone)
+            states, start_step = _restore_or_init_all(setups, checkpointers, outcome, alone)
+            reporters: dict[int, Reporter] = {}
+            for i in list(states):
+                m = members[i]
+                with speaking_for(i), _member_fault(i, outcome, alone):
+                    reporters[i] = Reporter(setups[i], start_step, m.overrides,
+                                            m.overrides if m.varied is None else m.varied,
+                                            first=not reporters, started_utc=started_utc)
+                    cleanup.callback(reporters[i].close)
+            ids = list(reporters)
+            if not ids:
+                return [outcome[i] for i in range(len(members))]
+            first = members[ids[0]].config
+            num_params = count_params(states[ids[0]].params)
+            program = (_alone(setups[ids[0]], states.pop(ids[0]), reporters[ids[0]], checkpointers[ids[0]]) if alone
+                       else member_axis([members[i].config for i in ids], [setups[i] for i in ids], states,
+                                        [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids))
+            del states  # the members' own copies: only the replicated state stays on the devices
+            program.check_fits(_compile_dispatch(program, cache))
         except Exception as e:
             if memory.is_out_of_memory(e):
-                raise memory.out_of_memory_error(e, config) from None
+                raise memory.out_of_memory_error(e, first) from None
             raise
-        reporter.log_start(num_params)
-        outcome = train_loop(config, fns, reporter, checkpointer, state, start_step)
-        return finish_results(reporter, outcome, num_params, wall_start)
+        for i in ids:  # once nothing can refuse the program: a member ahead goes back to the others' step
+            with speaking_for(i):
+                checkpointers[i].discard_after(start_step)
+        if not alone:
+            log.info("population of %d members (%s) as one program", len(ids),
+                     ", ".join(" ".join(members[i].varied or members[i].overrides) or members[i].workdir.name
+                               for i in ids))
+        program.reporter.log_start(num_params)
+        loop_outcome = train_loop(first, program.fns, program.reporter, program.saver, program.state, start_step)
+        stopped = loop_outcome.error
+        if not alone and stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
+                and not any(program.ended(k)[0] is stopped for k in range(len(ids))):  # not one member's own error
+            log.error("the population stopped: %s", stopped, exc_info=stopped)  # every member's log
+        for k, i in enumerate(ids):
+            own, ended_at = program.ended(k)
+            error = own or loop_outcome.error
+            if isinstance(own, NonFiniteLossError):
+                status, step = "diverged", own.step
+            elif own is not None:
+                status, step = "failed", ended_at
+            else:
+                status, step = loop_outcome.status, loop_outcome.step
+            with speaking_for(i):
+                results = reporters[i].results(status, step, num_params, wall_start, error)
+                reporters[i].finish(results)
+                if error is None:
+                    reporters[i].log_end(results)
+            outcome[i] = (results, error)
+        return [outcome[i] for i in range(len(members))]
+
+
+def _alone(setup: Setup, state: Any, reporter: Reporter, checkpointer: Checkpointer) -> Program:
+    """The program of a run alone: its step without a member axis (data=text's carried stream state included)."""
+    config = setup.config
+    fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
+    return Program(fns, fns.dp.replicate(state), reporter, checkpointer,
+                   lambda stats: memory.check_step_fits(stats, setup.devices, config), lambda k: (None, None))
+
+
+def _plan_all(members: Sequence[Member], todo: Sequence[int], devices: Sequence[jax.Device],
+              outcome: dict[int, Result], cleanup: contextlib.ExitStack, locked: bool,
+              alone: bool) -> tuple[dict[int, Setup], dict[int, Checkpointer]]:
+    """Each member's run-dir lock (unless the caller holds them), checkpointer and plan, every one on the first
+    member's devices; a member that cannot start fails alone (`_member_fault`)."""
+    setups: dict[int, Setup] = {}
+    checkpointers: dict[int, Checkpointer] = {}
+    for i in todo:
+        if i in outcome:  # its run dir cannot be written
+            continue
+        m = members[i]
+        with speaking_for(i), _member_fault(i, outcome, alone):
+            if not locked:
+                cleanup.enter_context(RunDirLock(m.workdir, jax.process_index()))
+            c = Checkpointer(m.workdir / "checkpoints", m.config.checkpoint.every, m.config.checkpoint.keep)
+            cleanup.callback(c.close)  # on any failure: Orbax's threads end, the process can exit
+            checkpointers[i] = c
+            anchor = next(iter(setups.values()), None)
+            setup = plan(m.config, m.workdir, devices if anchor is None else list(anchor.devices), c)
+            if anchor is not None:
+                setup = dataclasses.replace(setup, devices=anchor.devices, device_note=anchor.device_note)
+            setups[i] = setup
+    return setups, checkpointers
+
+
+@contextlib.contextmanager
+def _member_fault(index: int, outcome: dict[int, Result], alone: bool) -> Iterator[None]:
+    """Within: what member `index` does alone. Unless the run is `alone` (whose faults raise), an error there fails
+    that member (recorded in `outcome`, logged in its own train.log: a traceback for what is not bad input) and is
+    not raised; the caller leaves the member out."""
+    if alone:
+        yield
+        return
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - this member's alone: the others train on
+        if memory.is_out_of_memory(e):
+            raise
+        expected = isinstance(e, (cfg.ConfigError, CheckpointError))
+        log.error("member %d cannot train, the other members go on: %s", index, _one_line(e),
+                  exc_info=None if expected else e)
+        outcome[index] = ({"status": "failed", "error": _one_line(e), "step": None}, e)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else ""
+    return line if isinstance(error, (cfg.ConfigError, CheckpointError)) else f"{type(error).__name__}: {line}"
+
+
+def _restore_or_init_all(setups: dict[int, Setup], checkpointers: dict[int, Checkpointer],
+                         outcome: dict[int, Result], alone: bool) -> tuple[dict[int, Any], int]:
+    """({member: its unreplicated state}, their common step): every member restored at the newest step that all of
+    them saved (after a SIGKILL between a population's saves, some have one more; the launcher groups members by
+    their newest step, so this is the rare case), or all initialised. A member that cannot be restored (no readable
+    checkpoint, a refused config change) fails alone (`_member_fault`) and the others go on without it.
+    CheckpointError rather than a member's checkpoints left behind for a fresh start: train such members apart
+    (hydra/launcher=basic)."""
+    alive = [i for i in setups if i not in outcome]
+    common = min((checkpointers[i].latest_step() or 0 for i in alive), default=0)
+    while True:
+        restored = {}
+        for i in alive:
+            with speaking_for(i), _member_fault(i, outcome, alone):
+                restored[i] = restore_or_init(setups[i], checkpointers[i], common)
+        alive = list(restored)
+        steps = {step for _, step in restored.values()}
+        if len(steps) <= 1:
+            break
+        common = min(steps)  # a member's checkpoint at `common` did not restore: go back to what every one has
+    fresh = [checkpointers[i].directory for i, (_, step) in restored.items()
+             if step == 0 and checkpointers[i].latest_step()]
+    if fresh:
+        raise CheckpointError(
+            f"the members have no checkpoint step in common, and {fresh[0]} would start afresh; train its run apart "
+            f"(hydra/launcher=basic) or move its checkpoints away")
+    return {i: state for i, (state, _) in restored.items()}, (steps.pop() if steps else 0)
 
 
 def restore_or_init(setup: Setup, checkpointer: Checkpointer, at_most: int | None = None) -> tuple[Any, int]:
@@ -103,31 +268,20 @@ def restore_or_init(setup: Setup, checkpointer: Checkpointer, at_most: int | Non
     return state, int(state.step)
 
 
-def compile_dispatch(fns: StepFunctions, reporter: Reporter, state: Any, cache: compile_cache.CacheUse | None) -> Any:
+def _compile_dispatch(program: Program, cache: compile_cache.CacheUse | None) -> Any:
     """Compile the train dispatch ahead of its first call (or load it from the persistent cache: the reporter
-    is told which); returns XLA's memory analysis of it (for `memory.check_step_fits`: it must fit beside
+    is told which); returns XLA's memory analysis of it (for the program's memory check: it must fit beside
     the already resident state). With several processes the first call compiles it (an ahead-of-time
     executable there rejects the processes' global arrays): None."""
     if jax.process_count() > 1:
         return None
-    reporter.phase("compiling")
+    program.reporter.phase("compiling")
     started = time.perf_counter()
     hits, requests = (cache.hits, cache.requests) if cache else (0, 0)
-    stats = fns.dispatch.compile(state)
+    stats = program.fns.dispatch.compile(program.state)
     if cache is None or cache.requests == requests:
         how = "off"  # off, or JAX did not offer this program to its cache
     else:
         how = "hit" if cache.hits > hits else "miss"
-    reporter.compiled(time.perf_counter() - started, how)
+    program.reporter.compiled(time.perf_counter() - started, how)
     return stats
-
-
-def finish_results(reporter: Reporter, outcome: Outcome, num_params: int, wall_start: float) -> dict[str, Any]:
-    """results.json whatever happened (as far as the disk allows); then the error that stopped the
-    loop is raised, or the last line logged and the dict returned."""
-    results = reporter.results(outcome.status, outcome.step, num_params, wall_start, outcome.error)
-    reporter.finish(results)
-    if outcome.error is not None:
-        raise outcome.error
-    reporter.log_end(results)
-    return results

@@ -29,7 +29,7 @@ from hydra.errors import HydraException  # noqa: E402
 
 from benchmark import LoopDispatch, compose_overrides  # noqa: E402  (scripts/benchmark.py)
 from rnnlab import config as cfg  # noqa: E402
-from rnnlab import corpora, tasks  # noqa: E402
+from rnnlab import corpora, exit_codes, tasks  # noqa: E402
 from rnnlab.setup import check_stream_task  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def loop_of(overrides: list[str]) -> LoopDispatch:
             check_stream_task(config, task)
     except (cfg.ConfigError, corpora.CorpusError, HydraException, ValueError) as e:
         print(f"bench_text: error: {' '.join(overrides)}: {e}".splitlines()[0], file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_codes.BAD_INPUT)
     return LoopDispatch(config, 1)
 
 

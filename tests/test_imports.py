@@ -96,3 +96,12 @@ def test_the_run_imports_tensorboardx_without_torch_or_boto3():
             "    assert boto3.session\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_one_orchestration_with_only_entry_points_on_top_of_it():
+    """A run alone and a population are set up by one orchestration (rnnlab.trainer): only the population launcher
+    imports it, and the member axis (rnnlab.population) neither runs the loop nor takes run dirs itself."""
+    graph = import_graph(ROOT / "rnnlab")
+    assert {m for m, deps in graph.items() if "rnnlab.trainer" in deps} == {"rnnlab.population_launch"}
+    assert graph["rnnlab.population"].isdisjoint({"rnnlab.loop", "rnnlab.rundir", "rnnlab.trainer"}), \
+        graph["rnnlab.population"]

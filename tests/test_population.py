@@ -75,7 +75,7 @@ def scalars(run_dir, tag):
                  marks=pytest.mark.slow("cross-product")),
 ])
 def test_each_member_ends_as_its_own_run(tmp_path, extra):
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     population = members(tmp_path, GRID, *extra)
     outcome = train_population(population)
@@ -104,7 +104,7 @@ def scalars_tag(run_dir):
 
 @pytest.mark.slow("long")
 def test_a_diverged_member_stops_alone_where_its_run_stops(tmp_path):
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
     from rnnlab.report import NonFiniteLossError
 
     grid = [("optimizer.lr=1e-3", "seed=0"), ("optimizer.lr=1e38", "seed=0")]
@@ -124,7 +124,7 @@ def test_a_diverged_member_stops_alone_where_its_run_stops(tmp_path):
 @pytest.mark.slow("long")
 def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, caplog):
     """As after a SIGKILL between the members' saves: one member lacks the newest checkpoint."""
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     population = members(tmp_path, GRID[:2])
     train_population(population)
@@ -145,7 +145,7 @@ def test_a_rerun_resumes_every_member_at_the_newest_step_all_saved(tmp_path, cap
 @pytest.mark.slow("long")
 def test_a_member_that_would_start_afresh_beside_trained_ones_is_refused_and_nothing_is_deleted(tmp_path):
     from rnnlab.checkpoint import CheckpointError
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     pair = members(tmp_path, GRID[:2])
     train_population(pair)
@@ -170,7 +170,7 @@ def test_members_that_differ_in_the_program_are_refused(tmp_path):
 
 def test_a_population_that_cannot_fit_says_how_many_members_would(tmp_path, monkeypatch):
     from rnnlab import memory
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     # A step of 3 GiB for 3 members (1 GiB each) where 2.5 GiB is free: 2 would fit.
     stats = type("Stats", (), {"temp_size_in_bytes": 3 * 2**30, "output_size_in_bytes": 0, "alias_size_in_bytes": 0})()

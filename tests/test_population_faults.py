@@ -82,7 +82,7 @@ def test_a_text_sweep_is_refused_before_launch_in_one_line_writing_no_job(tmp_pa
 @pytest.mark.slow("long")
 def test_a_members_unwritable_run_dir_or_failing_save_fails_that_member_alone(tmp_path, monkeypatch):
     from rnnlab import checkpoint
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -113,7 +113,7 @@ def test_a_refused_or_unreadable_resume_fails_that_member_alone_and_a_finished_o
     checkpoints are garbage, one finished with its config (final: not retrained, re-evaluated or rewritten)."""
     from rnnlab.checkpoint import CheckpointError
     from rnnlab.config import ConfigError
-    from rnnlab.population import train_population
+    from rnnlab.trainer import train_population
 
     first = [member(tmp_path, f"m{i}", f"optimizer.lr={lr}") for i, lr in enumerate(("1e-3", "3e-3", "1e-2"))]
     assert all(r["status"] == "completed" for r, _ in train_population(first))
