@@ -106,7 +106,7 @@ def check_members(members: Sequence[Member]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Program:
-    """What the loop trains (`rnnlab.trainer.train_members`): the step functions, the replicated state, the
+    """What the loop trains (`rnnlab.trainer._train_members`): the step functions, the replicated state, the
     reporter and checkpointer the loop talks to (a run's own, or a population's adapters), the memory check of the
     compiled dispatch (XLA's memory analysis in; OutOfMemoryError out), and `ended(k)`: (the error that ended
     member k while the others trained on, the step where it ended), (None, None) for a member that did not."""

@@ -15,7 +15,7 @@ TensorBoard's own EventAccumulator), and
   - writes PNG plots to --out when matplotlib is installed (pip install -e ".[plots]"), drawn by
     rnnlab.summary_plots: loss_curves.png (train and eval loss of every job against step), and for each
     swept parameter P sweep_P.png (final eval metric and tokens/s against P).
---out defaults to the folder given. Exit code 0, or 1 if no job was found.
+--out defaults to the folder given. Exit code 0, or 2 (bad input) if no job was found.
 
 The zoo's tables (each cell at its lr chosen under the protocol, by eval length) are `python -m rnnlab.zoo`'s:
 its `page` writes docs/results.md.

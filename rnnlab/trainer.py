@@ -1,5 +1,5 @@
 """The one orchestration of training: `train_and_evaluate` (a run alone) and `train_population` (a grid's runs as
-one program with a member axis) are both `train_members`, which sets the runs up, restores, compiles, checks
+one program with a member axis) are both `_train_members`, which sets the runs up, restores, compiles, checks
 memory, trains (`rnnlab.loop`) and writes each run's results.json (`rnnlab.report.Reporter`). What differs is
 only the program the loop trains (`rnnlab.population.Program`): a run alone steps its own state, a population
 its members' states stacked (`rnnlab.population.member_axis`).
@@ -30,9 +30,9 @@ from rnnlab.provenance import utc_now
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.rundir import RunDirLock, check_writable, final_record, resumed_record, run_record
 from rnnlab.setup import Setup, plan
-from rnnlab.steps import make_step_functions
+from rnnlab.steps import StepFunctions, make_step_functions
 
-__all__ = ["NonFiniteLossError", "Result", "train_and_evaluate", "train_members", "train_population"]
+__all__ = ["NonFiniteLossError", "Result", "train_and_evaluate", "train_population"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
     config (`rundir.final_record`) is left as it is: its record is returned and nothing is written.
     """
     member = Member(config, Path(workdir), tuple(overrides), None if varied is None else tuple(varied))
-    [(results, error)] = train_members([member], alone=True)
+    [(results, error)] = _train_members([member], alone=True)
     if error is not None:
         raise error
     return results
@@ -74,13 +74,14 @@ def train_population(members: Sequence[Member], *, locked: bool = False) -> list
     trained nor evaluated nor written: its record is returned as it stands. `locked`: the caller holds the members'
     run-dir locks (the launcher, which checks them before it touches anything)."""
     check_members(members)
-    return train_members(members, locked=locked, alone=False)
+    return _train_members(members, locked=locked, alone=False)
 
 
-def train_members(members: Sequence[Member], *, locked: bool = False, alone: bool = False) -> list[Result]:
+def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bool = False) -> list[Result]:
     """The orchestration of `train_and_evaluate` (`alone`: one member, trained without a member axis, whose faults
     raise) and `train_population` (the members as one program, each member's fault its own); returns each
     member's (results.json dict, the error that ended it early or None), in order."""
+    assert not alone or len(members) == 1, "a run alone is one member"
     wall_start, started_utc = time.perf_counter(), utc_now()
     outcome: dict[int, Result] = {}
     for i, m in enumerate(members):
@@ -103,6 +104,9 @@ def train_members(members: Sequence[Member], *, locked: bool = False, alone: boo
         try:
             setups, checkpointers = _plan_all(members, todo, devices, outcome, cleanup, locked, alone)
             states, start_step = _restore_or_init_all(setups, checkpointers, outcome, alone)
+            # A run alone builds its step before its reporter: a step that cannot be built leaves no TensorBoard run.
+            # A population's step needs its members, and a member whose reporter cannot start is left out.
+            alone_fns = _step_functions(setups[todo[0]]) if alone else None
             reporters: dict[int, Reporter] = {}
             for i in list(states):
                 m = members[i]
@@ -116,7 +120,7 @@ def train_members(members: Sequence[Member], *, locked: bool = False, alone: boo
                 return [outcome[i] for i in range(len(members))]
             first = members[ids[0]].config
             num_params = count_params(states[ids[0]].params)
-            program = (_alone(setups[ids[0]], states.pop(ids[0]), reporters[ids[0]], checkpointers[ids[0]]) if alone
+            program = (_alone(alone_fns, states.pop(ids[0]), reporters[ids[0]], checkpointers[ids[0]]) if alone
                        else member_axis([members[i].config for i in ids], [setups[i] for i in ids], states,
                                         [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids))
             del states  # the members' own copies: only the replicated state stays on the devices
@@ -156,12 +160,16 @@ def train_members(members: Sequence[Member], *, locked: bool = False, alone: boo
         return [outcome[i] for i in range(len(members))]
 
 
-def _alone(setup: Setup, state: Any, reporter: Reporter, checkpointer: Checkpointer) -> Program:
-    """The program of a run alone: its step without a member axis (data=text's carried stream state included)."""
-    config = setup.config
-    fns = make_step_functions(config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
+def _step_functions(setup: Setup) -> StepFunctions:
+    """A run alone's step functions: its step without a member axis (data=text's carried stream state included)."""
+    return make_step_functions(setup.config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
+
+
+def _alone(fns: StepFunctions, state: Any, reporter: Reporter, checkpointer: Checkpointer) -> Program:
+    """The program of a run alone: its own state, reporter and checkpointer, and `fns` (`_step_functions`)."""
+    setup = reporter.setup
     return Program(fns, fns.dp.replicate(state), reporter, checkpointer,
-                   lambda stats: memory.check_step_fits(stats, setup.devices, config), lambda k: (None, None))
+                   lambda stats: memory.check_step_fits(stats, setup.devices, setup.config), lambda k: (None, None))
 
 
 def _plan_all(members: Sequence[Member], todo: Sequence[int], devices: Sequence[jax.Device],

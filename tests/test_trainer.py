@@ -276,3 +276,18 @@ def test_shard_map_strategy_matches_pmap_on_four_devices(tmp_path):
     a, b = (saved_state(tmp_path / strategy, 4)["params"] for strategy in ("pmap", "shard_map"))
     for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_alone_whose_step_cannot_be_built_leaves_no_tensorboard_run(tmp_path, monkeypatch):
+    """A run alone builds its step functions before its reporter (rnnlab.trainer's one orchestration): a step that
+    cannot be built raises as it is and leaves no TensorBoard run with a session that never ends."""
+    from rnnlab import config as cfg
+    from rnnlab import trainer
+
+    def refuse(*args, **kwargs):
+        raise cfg.ConfigError("key 'data.eval_batches': a stand-in refusal")
+
+    monkeypatch.setattr(trainer, "make_step_functions", refuse)
+    with pytest.raises(cfg.ConfigError, match="stand-in"):
+        train_and_evaluate(tiny_config(), tmp_path)
+    assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "results.json").exists()
