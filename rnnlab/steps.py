@@ -334,6 +334,17 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
+def per_member(fn: Callable, seeds: np.ndarray | None, in_axes: Any, out_axes: Any = 0,
+               takes_state: bool = True) -> Callable:
+    """`fn` of one run as it is; for a population (`seeds` given) `fn` over its members (`jax.vmap` with these
+    axes), its first argument then a `PopulationState` whose members' states `fn` gets (`takes_state`; False: `fn`
+    takes no state). The one place where the eval and probe programs tell a population from a run alone."""
+    if seeds is None:
+        return fn
+    mapped = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+    return (lambda state, *args: mapped(state.members, *args)) if takes_state else mapped
+
+
 def seed_input(config: cfg.Config, dp: parallel.DataParallel, seeds: np.ndarray | None) -> Any:
     """The seed the eval and probe programs take as an input (one program for every seed), replicated: the run's
     (`config.seed`), or a population's members' (`seeds`, uint32[members])."""
@@ -355,10 +366,8 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         return tasks.sample_batch(task, tasks.stream_key(seed, tasks.EVAL_STREAM), step, first, per_device)
 
-    if seeds is not None:
-        member_evaluate = jax.vmap(evaluate, in_axes=(0, 1), out_axes=(0, 1) if examples else 0)
-        evaluate = lambda state, batch: member_evaluate(state.members, batch)  # noqa: E731
-        sample = jax.vmap(sample, in_axes=(None, 0), out_axes=1)
+    evaluate = per_member(evaluate, seeds, (0, 1), (0, 1) if examples else 0)
+    sample = per_member(sample, seeds, (None, 0), 1, takes_state=False)
     p_eval_step = dp.map(evaluate, (parallel.REPLICATED, parallel.SHARDED), out_layouts)
     sampler = dp.map(sample, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
     seed = seed_input(config, dp, seeds)
@@ -482,13 +491,10 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
         loss, task_metrics = task.metrics_from_totals(carry[2])
         return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
 
-    if seeds is not None:  # every member on its own seed's batches; the carry gains a leading member axis
-        member_init = jax.vmap(init, in_axes=(None, 0))
-        member_chunk = jax.vmap(chunk, in_axes=(0, 0, None, 0, None, None))
-        member_final = jax.vmap(final, in_axes=(0, 0, None, 0))
-        init = member_init
-        chunk = lambda state, *args: member_chunk(state.members, *args)  # noqa: E731
-        final = lambda state, *args: member_final(state.members, *args)  # noqa: E731
+    # A population: every member on its own seed's batches; the carry gains a leading member axis.
+    init = per_member(init, seeds, (None, 0), takes_state=False)
+    chunk = per_member(chunk, seeds, (0, 0, None, 0, None, None))
+    final = per_member(final, seeds, (0, 0, None, 0))
 
     # The carry stays on the devices between calls, each device's own (its leaves gain a leading axis of 1,
     # so that even a scalar one has an axis to shard).
@@ -672,9 +678,7 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
         mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
         inputs = dp.replicate((np.uint32(config.seed), stream_arrays(task)))
         return lambda state: mapped(state, inputs)
-    if seeds is not None:
-        member_gradients = jax.vmap(gradients)
-        gradients = lambda state, seed: member_gradients(state.members, seed)  # noqa: E731
+    gradients = per_member(gradients, seeds, 0)
     mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
     seed = seed_input(config, dp, seeds)
     return lambda state: mapped(state, seed)

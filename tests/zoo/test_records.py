@@ -122,10 +122,11 @@ def test_a_failed_records_write_loses_nothing_the_next_run_records_it(tmp_path, 
     jobs save; once it is writable again the next run records every job exactly once."""
     real_replace, calls = os.replace, []
 
-    def failing_replace(src, dst):
-        calls.append(dst)
-        if len(calls) == 1:
-            raise PermissionError(13, "Permission denied", str(dst))
+    def failing_replace(src, dst):  # os.replace is the process's: fail only the first write of the table's records
+        if Path(dst).name == "tiny.jsonl":
+            calls.append(dst)
+            if len(calls) == 1:
+                raise PermissionError(13, "Permission denied", str(dst))
         return real_replace(src, dst)
 
     monkeypatch.setattr(records.os, "replace", failing_replace)
