@@ -179,9 +179,7 @@ def _plan_all(members: Sequence[Member], todo: Sequence[int], devices: Sequence[
     member's devices; a member that cannot start fails alone (`_member_fault`)."""
     setups: dict[int, Setup] = {}
     checkpointers: dict[int, Checkpointer] = {}
-    for i in todo:
-        if i in outcome:  # its run dir cannot be written
-            continue
+    for i in todo:  # (a member whose run dir cannot be written is not among them)
         m = members[i]
         with speaking_for(i), _member_fault(i, outcome, alone):
             if not locked:
