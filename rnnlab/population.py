@@ -28,7 +28,7 @@ from rnnlab import memory, tasks
 from rnnlab.checkpoint import Checkpointer, CheckpointSaveError
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.setup import Setup
-from rnnlab.steps import PopulationState, StepFunctions, make_step_functions, stack_hyperparameters
+from rnnlab.steps import Members, PopulationState, StepFunctions, make_step_functions, refuse_population
 
 log = logging.getLogger("rnnlab.trainer")
 
@@ -80,13 +80,10 @@ def population_key(config: cfg.Config, member_keys: Sequence[str] = MEMBER_KEYS)
 
 
 def check_task(config: cfg.Config) -> None:
-    """ConfigError naming `hydra/launcher` if `config`'s task cannot train as a population's member: a task whose
-    train state carries its streams' model state (`tasks.carries_state`: data=text) trains one run at a time.
-    Asked of every job before the launcher writes anything (`rnnlab.population_launch.launch`)."""
-    if tasks.carries_state(tasks.get_task(config.data.task)):
-        raise cfg.ConfigError(f"key 'hydra/launcher': population, but data={config.data.task} trains one run at a "
-                              f"time (its train state carries each stream's model state from step to step, which "
-                              f"a member axis does not); allowed: hydra/launcher=basic or parallel")
+    """ConfigError naming `hydra/launcher` if `config`'s task cannot train as a population's member
+    (`steps.refuse_population`). Asked of every job before the launcher writes anything
+    (`rnnlab.population_launch.launch`)."""
+    refuse_population(tasks.get_task(config.data.task))
 
 
 def check_members(members: Sequence[Member]) -> None:
@@ -128,7 +125,7 @@ def member_axis(configs: Sequence[cfg.Config], setups: Sequence[Setup], states: 
     stacked states cannot fit."""
     first, anchor = configs[0], setups[0]
     fns = make_step_functions(first, anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES,
-                              stack_hyperparameters(configs))
+                              Members.population(configs, anchor.task))
     reporter = PopulationReporter(reporters, ids)
     # One structure (the first member's: the members' optimizers are equal but for their numbers, which are inputs).
     stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(

@@ -81,6 +81,63 @@ class PopulationState(NamedTuple):
         return self.members.params
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds arrays
+class Members:
+    """The runs one set of programs trains, and the one place that tells a run alone from a population: a run
+    alone's state is its `TrainState` and every program is the run's own; a population's state is a
+    `PopulationState` and every program maps the run's over the member axis (`map`, `step`: `over_members`), its
+    host reads split per member (`each`, `per_member`). Shared code calls these rather than asking which it is."""
+
+    values: Hyperparameters  # the programs' numbers: a run alone's scalars, or a population's on a [members] axis
+    stacked: bool = False
+
+    @classmethod
+    def alone(cls, config: cfg.Config) -> "Members":
+        return cls(hyperparameters(config))
+
+    @classmethod
+    def population(cls, configs: Sequence[cfg.Config], task: tasks.Task) -> "Members":
+        """The members of a grid whose runs differ only in their `Hyperparameters` (`rnnlab.population`);
+        ConfigError for a task whose train state carries its streams' state (`refuse_population`)."""
+        refuse_population(task)
+        return cls(stack_hyperparameters(configs), stacked=True)
+
+    @property
+    def count(self) -> int:
+        return len(self.values.lr) if self.stacked else 1
+
+    def seeds(self, dp: parallel.DataParallel) -> Any:
+        """The seed the eval and probe programs take as an input (one program for every seed), replicated."""
+        return dp.replicate(self.values.seed)
+
+    def map(self, fn: Callable, in_axes: Any, out_axes: Any = 0, takes_state: bool = True) -> Callable:
+        """`fn` of one run as it is, or over a population's members (`over_members` with these axes), its first
+        argument then a `PopulationState` whose members' states `fn` gets (`takes_state`; False: `fn` takes none)."""
+        if not self.stacked:
+            return fn
+        mapped = over_members(fn, self.count, in_axes, out_axes)
+        return (lambda state, *args: mapped(state.members, *args)) if takes_state else mapped
+
+    def step(self, one_step: Callable, names: Sequence[str], stop_diverged: bool) -> Callable:
+        """The train step of `one_step(TrainState, Hyperparameters) -> (TrainState, row)`: as it is, or a
+        population's (`population_step`)."""
+        return population_step(one_step, names, stop_diverged, self.count) if self.stacked else one_step
+
+    def row_shape(self, names: Sequence[str]) -> tuple[int, ...]:
+        """The shape of one step's metrics: [len(names)], a population's [members, len(names)]."""
+        return (self.count, len(names)) if self.stacked else (len(names),)
+
+    def each(self, tree: Any, axis: int = 0) -> list:
+        """Each member's share of a host tree whose leaves carry the member axis at `axis` (a run alone: the tree)."""
+        if not self.stacked:
+            return [tree]
+        return [jax.tree_util.tree_map(lambda x: np.take(x, i, axis), tree) for i in range(self.count)]
+
+    def per_member(self, values: list) -> Any:
+        """What a host read returns: a population's list with one value per member, a run alone's value."""
+        return values if self.stacked else values[0]
+
+
 def make_optimizer(config: cfg.OptimizerConfig, total_steps: Any,
                    values: Hyperparameters | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Global-norm clipping -> optimizer, with a learning-rate schedule over `total_steps`.
@@ -157,6 +214,15 @@ def carries_state(task: tasks.Task) -> bool:
     """Whether `task` trains by truncated BPTT over contiguous streams (`sample_step`; data=text): its train
     state is a `CarryTrainState` (`tasks.carries_state`)."""
     return tasks.carries_state(task)
+
+
+def refuse_population(task: tasks.Task) -> None:
+    """ConfigError naming `hydra/launcher` if `task` cannot train as a population's member: a task whose train state
+    carries its streams' model state (`carries_state`: data=text) trains one run at a time."""
+    if carries_state(task):
+        raise cfg.ConfigError(f"key 'hydra/launcher': population, but data={task.name} trains one run at a "
+                              f"time (its train state carries each stream's model state from step to step, which "
+                              f"a member axis does not); allowed: hydra/launcher=basic or parallel")
 
 
 def create_train_state(
@@ -334,31 +400,15 @@ def pmap_sampler(task: tasks.Task, stream: jax.Array, per_device: int, devices: 
     return make_sampler(task, stream, per_device, parallel.DataParallel(devices, "pmap"))
 
 
-def per_member(fn: Callable, seeds: np.ndarray | None, in_axes: Any, out_axes: Any = 0,
-               takes_state: bool = True) -> Callable:
-    """`fn` of one run as it is; for a population (`seeds` given) `fn` over its members (`jax.vmap` with these
-    axes), its first argument then a `PopulationState` whose members' states `fn` gets (`takes_state`; False: `fn`
-    takes no state). The one place where the eval and probe programs tell a population from a run alone."""
-    if seeds is None:
-        return fn
-    mapped = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
-    return (lambda state, *args: mapped(state.members, *args)) if takes_state else mapped
-
-
-def seed_input(config: cfg.Config, dp: parallel.DataParallel, seeds: np.ndarray | None) -> Any:
-    """The seed the eval and probe programs take as an input (one program for every seed), replicated: the run's
-    (`config.seed`), or a population's members' (`seeds`, uint32[members])."""
-    return dp.replicate(np.uint32(config.seed) if seeds is None else seeds)
-
-
 def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
-                   examples: int = 0, seeds: np.ndarray | None = None) -> Evaluator:
+                   examples: int = 0, members: Members | None = None) -> Evaluator:
     """The `Evaluator` of `task`: its eval step mapped over `dp` (state replicated, batch sharded ->
     replicated metrics, and with `examples` > 0 sharded outputs of each shard's first examples) and the
     `config.eval_batches` batches of the eval stream at the task's length, drawn once on the devices.
     One per evaluated length: each eval step compiles on its first call.
-    seeds: a population's (uint32[members]): every member evaluated on its own seed's batches, which carry the
-    member axis second ([B, members, ...], as the outputs do); the metrics gain a leading member axis."""
+    members: the runs it evaluates (default: `config`'s alone); a population's members each on its own seed's
+    batches, which carry the member axis second ([B, members, ...], as the outputs do); the metrics gain a
+    leading member axis."""
     out_layouts = (parallel.REPLICATED, parallel.SHARDED) if examples else parallel.REPLICATED
     evaluate = functools.partial(eval_step, task=task, examples=examples)
 
@@ -366,11 +416,12 @@ def make_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: pa
         first = jax.lax.axis_index(parallel.AXIS) * per_device
         return tasks.sample_batch(task, tasks.stream_key(seed, tasks.EVAL_STREAM), step, first, per_device)
 
-    evaluate = per_member(evaluate, seeds, (0, 1), (0, 1) if examples else 0)
-    sample = per_member(sample, seeds, (None, 0), 1, takes_state=False)
+    members = members or Members.alone(config)
+    evaluate = members.map(evaluate, (0, 1), (0, 1) if examples else 0)
+    sample = members.map(sample, (None, 0), 1, takes_state=False)
     p_eval_step = dp.map(evaluate, (parallel.REPLICATED, parallel.SHARDED), out_layouts)
     sampler = dp.map(sample, (parallel.REPLICATED, parallel.REPLICATED), parallel.SHARDED)
-    seed = seed_input(config, dp, seeds)
+    seed = members.seeds(dp)
     if jax.process_count() == 1:  # with several processes the first call compiles (see `make_dispatch`)
         options = run_once_options(dp.devices[0].platform)
         sampler = sampler.lower(dp.host_scalar(0), seed).compile(compiler_options=options)
@@ -448,14 +499,14 @@ def eval_block_len(segment_len: int, per_device: int) -> int:
 
 
 def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
-                           segment_len: int, seeds: np.ndarray | None = None) -> Evaluator:
+                           segment_len: int, members: Members | None = None) -> Evaluator:
     """The `Evaluator` of `task` run as an RNN (`data.eval_segment_len`): each eval batch, drawn from the same
     keys as `make_evaluator`'s, is evaluated in segments of `segment_len` steps, one after another, the
     model's state and the task's carry (`Task.sample_segment`) going from each to the next and the
     scores summed (`Task.segment_totals`): nothing of the whole length is ever in memory. Its batches are
     the (batch index, seed) pairs; each segment is drawn on the device. The segments run from the host in
     chunks (`SegmentedEval`: its `run` checks for a stop between them and predicts the length's time).
-    seeds: a population's, as `make_evaluator`."""
+    members: as `make_evaluator`'s."""
     model = build_model(config.model, task.output_dim, dp.devices[0].platform, task.input_dim)
     length = task.total_len
     segment_len = eval_block_len(segment_len, per_device)
@@ -492,9 +543,10 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
         return jax.lax.pmean({"loss": loss, **task_metrics}, parallel.AXIS)
 
     # A population: every member on its own seed's batches; the carry gains a leading member axis.
-    init = per_member(init, seeds, (None, 0), takes_state=False)
-    chunk = per_member(chunk, seeds, (0, 0, None, 0, None, None))
-    final = per_member(final, seeds, (0, 0, None, 0))
+    members = members or Members.alone(config)
+    init = members.map(init, (None, 0), takes_state=False)
+    chunk = members.map(chunk, (0, 0, None, 0, None, None))
+    final = members.map(final, (0, 0, None, 0))
 
     # The carry stays on the devices between calls, each device's own (its leaves gain a leading axis of 1,
     # so that even a scalar one has an axis to shard).
@@ -508,7 +560,7 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
         chunk=dp.map(lambda state, carry, *args: out(chunk(state, into(carry), *args)), (R, S, R, R, R, R), S,
                      donate_argnums=(1,)),
         final=dp.map(lambda state, carry, *args: final(state, into(carry), *args), (R, S, R, R), R))
-    seed = seed_input(config, dp, seeds)
+    seed = members.seeds(dp)
     return Evaluator(segments, [(dp.host_scalar(i), seed) for i in range(config.eval_batches)], segments=segments)
 
 
@@ -658,16 +710,17 @@ def _train_batches(config: cfg.Config, task: tasks.Task, per_device: int) -> Cal
 
 
 def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, dp: parallel.DataParallel,
-                        seeds: np.ndarray | None = None) -> Callable:
+                        members: Members | None = None) -> Callable:
     """`probe(state) -> gradients` (replicated layout): the gradients the next update will apply,
     before clipping, on its own batch; for `log.histograms_every`. Compiles on its first call.
-    seeds: a population's (`PopulationState` in, gradients with a leading member axis out)."""
+    members: the runs it probes (default: `config`'s alone; a population's: `PopulationState` in, gradients with
+    a leading member axis out)."""
     next_batch = _train_batches(config, task, per_device)
 
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
-    if carries_state(task):  # the text streams, the batch and the carried state from the step (no population: refused)
+    if carries_state(task):  # the text streams, the batch and the carried state from the step (a population: refused by `Members.population`)
         stream_batch, _ = _stream_batches(config, task, per_device, _model(config, task, dp))
 
         def gradients(state, inputs):
@@ -678,14 +731,14 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
         mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
         inputs = dp.replicate((np.uint32(config.seed), stream_arrays(task)))
         return lambda state: mapped(state, inputs)
-    gradients = per_member(gradients, seeds, 0)
-    mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
-    seed = seed_input(config, dp, seeds)
+    members = members or Members.alone(config)
+    mapped = dp.map(members.map(gradients, 0), (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
+    seed = members.seeds(dp)
     return lambda state: mapped(state, seed)
 
 
 def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
-                  per_device: int, max_steps: int = 1, members: Hyperparameters | None = None) -> Callable:
+                  per_device: int, max_steps: int = 1, members: Members | None = None) -> Callable:
     """`dispatch(state, n)`: n <= max_steps consecutive train steps in one dispatch, each with
     its batch drawn on the devices (lengths drawn per example with data.min_seq_len)
     -> (state, f32[max_steps, len(train_metric_names)]),
@@ -703,13 +756,14 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     executable) and returns XLA's memory analysis of it, so that a step that cannot fit is
     refused before it runs.
 
-    members: a population's stacked `Hyperparameters` (`stack_hyperparameters`): the state is a `PopulationState`,
-    every step runs each member on its own batch with its own numbers (`jax.vmap` over the member axis,
-    beside the device axis), and each row of metrics gains a member axis: f32[..., members, len(names)]."""
+    members: the runs it trains (default: `config`'s alone); a population's (`Members.population`): the state is a
+    `PopulationState`, every step runs each member on its own batch with its own numbers (`jax.vmap` over the
+    member axis, beside the device axis), and each row of metrics gains a member axis: f32[..., members, len(names)]."""
     skip = config.on_nonfinite == "skip"
     names = train_metric_names(task, skip)
     next_batch = _train_batches(config, task, per_device)
-    hyper = dp.replicate(hyperparameters(config) if members is None else members)
+    members = members or Members.alone(config)
+    hyper = dp.replicate(members.values)
 
     def one_step(state, values):
         tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
@@ -717,11 +771,8 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
         return state, jnp.stack([metrics[k] for k in names])
 
     if carries_state(task):  # truncated BPTT over the text's streams: the text an input beside the numbers
-        if members is not None:
-            raise cfg.ConfigError(f"data={task.name} trains one run at a time: hydra/launcher=population cannot "
-                                  f"carry its streams' state; allowed: hydra/launcher=basic or parallel")
         stream_batch, axes = _stream_batches(config, task, per_device, _model(config, task, dp))
-        hyper = dp.replicate((hyperparameters(config), stream_arrays(task)))
+        hyper = dp.replicate((members.values, stream_arrays(task)))  # a run alone's (`Members.population`)
 
         def one_step(state, inputs):
             values, arrays = inputs
@@ -730,10 +781,8 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
             state, metrics = train_step(state, batch, task, schedule, skip, values.seed, tx, carry, axes)
             return state, jnp.stack([metrics[k] for k in names])
 
-    row_shape: tuple[int, ...] = (len(names),)
-    if members is not None:
-        one_step = population_step(one_step, names, stop_diverged=not skip)
-        row_shape = (len(members.lr), len(names))
+    one_step = members.step(one_step, names, stop_diverged=not skip)
+    row_shape = members.row_shape(names)
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)
     if max_steps == 1:
@@ -780,9 +829,9 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     return dispatch
 
 
-def population_step(one_step: Callable, names: Sequence[str], stop_diverged: bool) -> Callable:
+def population_step(one_step: Callable, names: Sequence[str], stop_diverged: bool, count: int) -> Callable:
     """`one_step(TrainState, Hyperparameters) -> (TrainState, row)` of one run -> the same for a `PopulationState`
-    and stacked `Hyperparameters` (`jax.vmap` over the members). stop_diverged: a member whose loss or gradient
+    of `count` members and stacked `Hyperparameters` (`over_members`). stop_diverged: a member whose loss or gradient
     norm is not finite keeps its state from then on (its updates stop, its rows go on being computed: the host
     stops reading them), as a lone run would stop there."""
     loss, norm = names.index("loss"), names.index("grad_norm")
@@ -794,13 +843,36 @@ def population_step(one_step: Callable, names: Sequence[str], stop_diverged: boo
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(alive, a, b), new, state)
         return new, alive, row
 
-    members = jax.vmap(member)
+    members = over_members(member, count, 0, 0)
 
     def step(state, values):
         new, alive, rows = members(state.members, state.alive, values)
         return PopulationState(new, alive), rows
 
     return step
+
+
+def over_members(fn: Callable, count: int, in_axes: Any, out_axes: Any) -> Callable:
+    """`jax.vmap(fn, in_axes, out_axes)` over a member axis of `count`; for one member, `fn` between a squeeze of its
+    inputs' member axes and an expansion of its outputs' (the same values): a batching of one would make XLA
+    compile a program of its own (more copies, other layouts), where a population of one should run as its run alone.
+    `in_axes`: an axis or None per argument (or one for all), `out_axes`: one for all outputs or one per output."""
+    if count != 1:
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+
+    def at(axes: Any, n: int) -> tuple:
+        return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * n
+
+    def one(*args):
+        args = [a if axis is None else jax.tree_util.tree_map(lambda x, axis=axis: jnp.squeeze(x, axis), a)
+                for a, axis in zip(args, at(in_axes, len(args)), strict=True)]
+        out = fn(*args)
+        if not isinstance(out_axes, (tuple, list)):
+            return jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, out_axes), out)
+        return tuple(jax.tree_util.tree_map(lambda x, axis=axis: jnp.expand_dims(x, axis), o)
+                     for o, axis in zip(out, out_axes, strict=True))
+
+    return one
 
 
 def mean_rows(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -821,7 +893,7 @@ class Evaluator(NamedTuple):
 class StepFunctions:
     """The compiled functions of a run, each in the replicated layout of `dp` and compiled on its
     first call (the dispatch ahead of it: `dispatch.compile`). Their host reads give NumPy arrays
-    and dicts of floats; a population's (`members` > 0) give one of each per member, in member order."""
+    and dicts of floats; a population's (`members.stacked`) give one of each per member, in member order."""
 
     dp: parallel.DataParallel
     dispatch: Callable  # make_dispatch's: (state, n <= steps_per_dispatch) -> (state, stacked metrics)
@@ -829,7 +901,7 @@ class StepFunctions:
     metric_names: tuple[str, ...]  # train_metric_names: the columns of the dispatch's metrics
     evaluators: dict[int, Evaluator]  # by eval length: data.seq_len's (the usual eval) first, then data.eval_seq_lens'
     gradient_probe: Callable | None  # make_gradient_probe's, with log.histograms_every > 0
-    members: int = 0  # a population's member count (its state a `PopulationState`); 0: one run
+    members: Members  # the runs it trains: a run alone, or a population (its state a `PopulationState`)
     # Evaluated once, at the last step, by name (data=text: {"test": the test text's `make_stream_evaluator`})
     final_evaluators: dict[str, Evaluator] = dataclasses.field(default_factory=dict)
     samples: Callable | None = None  # data=text: state -> a few sampled texts as Markdown (`make_text_samples`)
@@ -850,12 +922,10 @@ class StepFunctions:
         list of them per member). Waits for those dispatches; the copies all start at once."""
         names = self.metric_names
         host = self.dp.to_host([metrics for _, metrics in dispatches])
-        if not self.members:
-            return [dict(zip(names, map(float, row), strict=True))
-                    for (n, _), rows in zip(dispatches, host) for row in rows.reshape(-1, len(names))[:n]]
-        steps = np.concatenate([rows.reshape(-1, self.members, len(names))[:n]
-                                for (n, _), rows in zip(dispatches, host)])
-        return [[dict(zip(names, map(float, row), strict=True)) for row in steps[:, i]] for i in range(self.members)]
+        shape = self.members.row_shape(names)
+        steps = np.concatenate([rows.reshape(-1, *shape)[:n] for (n, _), rows in zip(dispatches, host)])
+        return self.members.per_member([[dict(zip(names, map(float, row), strict=True)) for row in member]
+                                        for member in self.members.each(steps, axis=1)])
 
     def evaluate(self, state: Any, should_stop: Callable[[], bool] | None = None) -> tuple[Any, Any]:
         """(mean eval metrics at every evaluated length (keys as `evaluators`), the eval examples), one length after
@@ -878,12 +948,10 @@ class StepFunctions:
                 rows = [m for m, _ in rows]
             rows, shown = self.dp.to_host((rows, shown)) if i == 0 else (self.dp.to_host(rows), shown)
             metrics.append(rows)
-        if not self.members:
-            return self._by_length(metrics), self._examples(shown)
-        member = lambda tree, i, axis=0: jax.tree_util.tree_map(lambda x: np.take(x, i, axis), tree)  # noqa: E731
-        return ([self._by_length(member(metrics, i)) for i in range(self.members)],
-                [self._examples(None if shown is None else (member(shown[0], i, 1), member(shown[1], i, 1)))
-                 for i in range(self.members)])
+        each = self.members.each
+        examples = [None] * self.members.count if shown is None else list(zip(each(shown[0], 1), each(shown[1], 1)))
+        return (self.members.per_member([self._by_length(m) for m in each(metrics)]),
+                self.members.per_member([self._examples(e) for e in examples]))
 
     def _by_length(self, metrics: Any) -> dict[int, dict[str, float]]:
         return {n: mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
@@ -905,24 +973,24 @@ class StepFunctions:
 
 def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[jax.Device],
                         steps_per_dispatch: int, examples: int = 0,
-                        members: Hyperparameters | None = None) -> StepFunctions:
+                        members: Members | None = None) -> StepFunctions:
     """The run's `StepFunctions` on `devices`; the eval batches of every evaluated length are drawn now.
     examples: how many eval examples the usual eval also returns the outputs of (`StepFunctions.evaluate`).
-    members: a population's stacked `Hyperparameters` (`make_dispatch`); the functions take a `PopulationState`."""
+    members: the runs they train (`make_dispatch`; default: `config`'s alone)."""
     per_device = config.batch_size // len(devices)
     dp = parallel.DataParallel(devices, config.device.strategy)
+    members = members or Members.alone(config)
     dispatch = make_dispatch(config, task, dp, per_device, steps_per_dispatch, members)
-    seeds = None if members is None else members.seed
     # One eval step and its batches per length: data.seq_len's, then each further data.eval_seq_lens length;
     # a length past data.eval_segment_len in segments, its batches drawn segment by segment as it runs.
     segment = config.data.eval_segment_len
 
     def evaluator(t: tasks.Task, examples: int = 0) -> Evaluator:
         if segment is not None and t.total_len > segment:
-            return make_segment_evaluator(config, t, per_device, dp, segment, seeds)
-        return make_evaluator(config, t, per_device, dp, examples, seeds)
+            return make_segment_evaluator(config, t, per_device, dp, segment, members)
+        return make_evaluator(config, t, per_device, dp, examples, members)
 
-    if carries_state(task):  # held-out text through its streams (a population: refused by make_dispatch)
+    if carries_state(task):  # held-out text through its streams (a population: refused by `Members.population`)
         evaluators = {task.seq_len: make_stream_evaluator(config, task, dp, "valid")}
     else:
         evaluators = {task.seq_len: evaluator(task, examples)}
@@ -930,8 +998,8 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
     return StepFunctions(
         dp=dp, dispatch=dispatch, steps_per_dispatch=steps_per_dispatch,
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
-        gradient_probe=make_gradient_probe(config, task, per_device, dp, seeds) if config.log.histograms_every else None,
-        members=0 if members is None else len(members.lr),
+        gradient_probe=make_gradient_probe(config, task, per_device, dp, members) if config.log.histograms_every else None,
+        members=members,
         final_evaluators={"test": make_stream_evaluator(config, task, dp, "test")}
         if carries_state(task) and task.splits["test"].names else {},
         samples=make_text_samples(config, task, dp) if carries_state(task) else None,

@@ -157,6 +157,62 @@ def test_a_member_that_would_start_afresh_beside_trained_ones_is_refused_and_not
     assert sorted(p.name for p in (pair[0].workdir / "checkpoints").iterdir()) == saved
 
 
+def test_a_member_axis_of_one_gives_what_jax_vmap_gives():
+    """`steps.over_members` squeezes a member axis of one rather than vmapping it (so that a population of one
+    compiles as its run alone): the same values as jax.vmap, the axis anywhere in an input or in none, the outputs'
+    one axis for all or one each."""
+    import jax
+    import jax.numpy as jnp
+
+    from rnnlab.steps import over_members
+
+    def fn(a, b, shared):
+        return (a * b[:, None] + shared["x"]).sum(0), {"y": a @ a.T, "z": b.mean()}
+
+    rng = np.random.default_rng(0)
+    shared = {"x": rng.normal(size=(3, 2))}
+    for in_axes, out_axes in [((0, 1, None), (1, 0)), ((0, 1, None), 0), ((2, 0, None), 0)]:
+        a = rng.normal(size=(1, 3, 2) if in_axes[0] == 0 else (3, 2, 1))
+        b = rng.normal(size=(3, 1) if in_axes[1] == 1 else (1, 3))
+        want = jax.vmap(fn, in_axes, out_axes)(a, b, shared)
+        got = over_members(fn, 1, in_axes, out_axes)(a, b, shared)
+        assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+        for x, y in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert x.shape == y.shape
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+    assert jnp.shape(over_members(lambda x: x.sum(), 1, 0, 0)(jnp.ones((1, 4)))) == (1,)
+
+
+def test_a_population_of_one_trains_as_its_run_alone():
+    """The dispatch of a population of one (`steps.Members.population`) steps its member as the run's own dispatch
+    steps the run: the same metrics and parameters (to float rounding: XLA fuses the two programs apart)."""
+    import jax
+
+    from rnnlab import parallel, steps, tasks
+    from rnnlab.models import build_model
+
+    config = tiny_config("model=gru", "data=parity")
+    task = tasks.make_task(config.data)
+    dp = parallel.DataParallel(jax.devices()[:1], "pmap")
+    model = build_model(config.model, task.output_dim, input_dim=task.input_dim)
+    tx, _ = steps.make_optimizer(config.optimizer, config.steps)
+    state = steps.create_train_state(jax.random.key(0), model, task.example_inputs(config.batch_size), tx)
+    one = steps.PopulationState(jax.tree_util.tree_map(lambda x: x[None], state), np.ones(1, bool))
+    out = {}
+    for name, members, start in [("alone", steps.Members.alone(config), state),
+                                 ("one", steps.Members.population([config], task), one)]:
+        dispatch = steps.make_dispatch(config, task, dp, config.batch_size, 4, members)
+        st, rows = dp.replicate(start), []
+        for _ in range(3):
+            st, metrics = dispatch(st, 4)
+            rows.append(metrics)
+        out[name] = jax.device_get((st.params, rows))
+    (params, rows), (params_one, rows_one) = out["alone"], out["one"]
+    np.testing.assert_allclose(np.reshape(rows_one, -1), np.reshape(rows, -1), rtol=1e-5, atol=1e-7)
+    for x, y in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params_one)):
+        np.testing.assert_allclose(y[:, 0], x, rtol=1e-5, atol=1e-7)  # [device, member, ...] against [device, ...]
+
+
 def test_members_that_differ_in_the_program_are_refused(tmp_path):
     from rnnlab.config import ConfigError
     from rnnlab.population import Member, check_members
