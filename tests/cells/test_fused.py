@@ -110,7 +110,10 @@ def test_a_model_run_fused_equals_the_sequential_form(model, overrides):
     (value, grads), (value_ref, grads_ref) = results["fused"], results["sequential"]
     np.testing.assert_allclose(value, value_ref, rtol=1e-5)
     for got, want in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_ref)):
-        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+        # float32 sums over 19 steps and 2 layers: an entry near 0 beside entries near 30 is off by their scale's
+        # rounding (3.2e-4 at 1.0 beside 28.8 on a 2-core AMD EPYC VM), so the absolute tolerance scales with the leaf
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5 * scale)
 
 
 # (length, per head: one transition per head and one q, k group shared by the heads, as Mamba-2's) around the block.
