@@ -716,11 +716,12 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
     members: the runs it probes (default: `config`'s alone; a population's: `PopulationState` in, gradients with
     a leading member axis out)."""
     next_batch = _train_batches(config, task, per_device)
+    members = members or Members.alone(config)
 
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
-    if carries_state(task):  # the text streams, the batch and the carried state from the step (a population: refused by `Members.population`)
+    if carries_state(task):  # the text streams, the batch and the carried state from the step (a run alone's)
         stream_batch, _ = _stream_batches(config, task, per_device, _model(config, task, dp))
 
         def gradients(state, inputs):
@@ -729,9 +730,8 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
             return carried_loss_and_gradients(state, batch, task, seed, carry)[1]
 
         mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
-        inputs = dp.replicate((np.uint32(config.seed), stream_arrays(task)))
+        inputs = dp.replicate((members.values.seed, stream_arrays(task)))
         return lambda state: mapped(state, inputs)
-    members = members or Members.alone(config)
     mapped = dp.map(members.map(gradients, 0), (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
     seed = members.seeds(dp)
     return lambda state: mapped(state, seed)
@@ -757,8 +757,8 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     refused before it runs.
 
     members: the runs it trains (default: `config`'s alone); a population's (`Members.population`): the state is a
-    `PopulationState`, every step runs each member on its own batch with its own numbers (`jax.vmap` over the
-    member axis, beside the device axis), and each row of metrics gains a member axis: f32[..., members, len(names)]."""
+    `PopulationState`, every step runs each member on its own batch with its own numbers (`over_members`: the
+    member axis beside the device axis), and each row of metrics gains a member axis: f32[..., members, len(names)]."""
     skip = config.on_nonfinite == "skip"
     names = train_metric_names(task, skip)
     next_batch = _train_batches(config, task, per_device)
@@ -772,7 +772,7 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
 
     if carries_state(task):  # truncated BPTT over the text's streams: the text an input beside the numbers
         stream_batch, axes = _stream_batches(config, task, per_device, _model(config, task, dp))
-        hyper = dp.replicate((members.values, stream_arrays(task)))  # a run alone's (`Members.population`)
+        hyper = dp.replicate((members.values, stream_arrays(task)))  # a run alone's: `Members.population` refuses text
 
         def one_step(state, inputs):
             values, arrays = inputs
