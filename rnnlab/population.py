@@ -24,11 +24,11 @@ import jax
 import numpy as np
 
 from rnnlab import config as cfg
-from rnnlab import memory, tasks
+from rnnlab import memory
 from rnnlab.checkpoint import Checkpointer, CheckpointSaveError
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.setup import Setup
-from rnnlab.steps import Members, PopulationState, StepFunctions, make_step_functions, refuse_population
+from rnnlab.steps import Members, PopulationState, StepFunctions, make_step_functions
 
 log = logging.getLogger("rnnlab.trainer")
 
@@ -79,17 +79,8 @@ def population_key(config: cfg.Config, member_keys: Sequence[str] = MEMBER_KEYS)
             config.optimizer.clip_norm > 0, bool(config.optimizer.momentum))
 
 
-def check_task(config: cfg.Config) -> None:
-    """ConfigError naming `hydra/launcher` if `config`'s task cannot train as a population's member
-    (`steps.refuse_population`). Asked of every job before the launcher writes anything
-    (`rnnlab.population_launch.launch`)."""
-    refuse_population(tasks.get_task(config.data.task))
-
-
 def check_members(members: Sequence[Member]) -> None:
-    """ConfigError unless the members' task can train as a population (`check_task`) and they differ only in
-    `MEMBER_KEYS` (and keep the program's structure)."""
-    check_task(members[0].config)
+    """ConfigError unless the members differ only in `MEMBER_KEYS` (and keep the program's structure)."""
     first = population_key(members[0].config)
     for m in members[1:]:
         if population_key(m.config) != first:
@@ -125,7 +116,7 @@ def member_axis(configs: Sequence[cfg.Config], setups: Sequence[Setup], states: 
     stacked states cannot fit."""
     first, anchor = configs[0], setups[0]
     fns = make_step_functions(first, anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES,
-                              Members.population(configs, anchor.task))
+                              Members.population(configs))
     reporter = PopulationReporter(reporters, ids)
     # One structure (the first member's: the members' optimizers are equal but for their numbers, which are inputs).
     stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(
@@ -228,6 +219,16 @@ class PopulationReporter:
         self._check(step)
         for i, r in self._each():
             r.log_eval(step, by_len[i])
+
+    def log_final_eval(self, step: int, by_split: Sequence[dict[str, dict[str, float]]]) -> None:
+        """Each member's evaluations made once at the last step (`StepFunctions.evaluate_final` of a population)."""
+        for i, r in self._each():
+            r.log_final_eval(step, by_split[i])
+
+    def log_text(self, step: int, texts: dict[str, Sequence[str]]) -> None:
+        """Each member's text summaries: every value one text per member (`StepFunctions.samples` of a population)."""
+        for i, r in self._each():
+            r.log_text(step, {name: each[i] for name, each in texts.items()})
 
     def log_examples(self, step: int, *per_member: Any) -> None:
         """Each member's eval examples (`StepFunctions.evaluate` of a population: one tuple or None per member)."""

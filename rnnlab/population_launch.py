@@ -7,9 +7,8 @@ trained in), its results.json and exit status; the program's own console (model 
 goes to `population_<first job>.log` in the sweep dir. Jobs that differ in anything else, or that cannot resume
 from one step (`_groups`), train in separate populations, one after another. A job's own fault (its run dir, its
 checkpoints, its resume, a failed save) fails that job alone (`rnnlab.trainer.train_population`); a job whose run
-completed with its config is reported done and left as it is; a run dir another process holds, or a job whose task
-cannot train as a member (data=text: `rnnlab.population.check_task`), refuses the whole launch before anything is
-written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
+completed with its config is reported done and left as it is; a run dir another process holds refuses the whole
+launch before anything is written. The plugin class Hydra finds is in rnnlab/hydra_plugin_path/ (train.py puts it
 on the path).
 """
 
@@ -109,8 +108,7 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
     Before it writes anything of a job (.hydra/, train.log, results.json, the callbacks' counts) it takes every
     job's run-dir lock: a run dir held by another process (another sweep on this sweep dir) refuses the whole
     launch (RunDirBusy, exit 2), touching nothing. A job whose run completed with its config (`rundir.final_record`)
-    is reported done (its callbacks, its eval loss) and left out of every program. A job whose task cannot train as
-    a member (`rnnlab.population.check_task`: data=text) refuses the whole launch (ConfigError, exit 2) before that."""
+    is reported done (its callbacks, its eval loss) and left out of every program."""
     from rnnlab.population import MEMBER_KEYS
 
     setup_globals()
@@ -145,18 +143,14 @@ def launch(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_id
 
 def _read_configs(jobs: list[_Job]) -> None:
     """Every job's validated config (`_Job.rnnlab_config`), read before anything is written: one the config
-    refuses is that job's failure (`_Job.config_error`, reported by `_ready_jobs`); a task that cannot train as a
-    member (`rnnlab.population.check_task`) refuses the whole launch, ConfigError."""
+    refuses is that job's failure (`_Job.config_error`, reported by `_ready_jobs`)."""
     from rnnlab.config import ConfigError, from_omegaconf
-    from rnnlab.population import check_task
 
     for job in jobs:
         try:
             job.rnnlab_config = from_omegaconf(job.task_cfg)
         except ConfigError as e:
             job.config_error = str(e)
-            continue
-        check_task(job.rnnlab_config)
 
 
 def _lock_run_dirs(jobs: list[_Job], locks: contextlib.ExitStack) -> None:

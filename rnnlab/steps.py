@@ -96,10 +96,8 @@ class Members:
         return cls(hyperparameters(config))
 
     @classmethod
-    def population(cls, configs: Sequence[cfg.Config], task: tasks.Task) -> "Members":
-        """The members of a grid whose runs differ only in their `Hyperparameters` (`rnnlab.population`);
-        ConfigError for a task whose train state carries its streams' state (`refuse_population`)."""
-        refuse_population(task)
+    def population(cls, configs: Sequence[cfg.Config]) -> "Members":
+        """The members of a grid whose runs differ only in their `Hyperparameters` (`rnnlab.population`)."""
         return cls(stack_hyperparameters(configs), stacked=True)
 
     @property
@@ -118,10 +116,12 @@ class Members:
         mapped = over_members(fn, self.count, in_axes, out_axes)
         return (lambda state, *args: mapped(state.members, *args)) if takes_state else mapped
 
-    def step(self, one_step: Callable, names: Sequence[str], stop_diverged: bool) -> Callable:
-        """The train step of `one_step(TrainState, Hyperparameters) -> (TrainState, row)`: as it is, or a
-        population's (`population_step`)."""
-        return population_step(one_step, names, stop_diverged, self.count) if self.stacked else one_step
+    def step(self, one_step: Callable, names: Sequence[str], stop_diverged: bool, inputs_axes: Any = 0) -> Callable:
+        """The train step of `one_step(TrainState, inputs) -> (TrainState, row)`: as it is, or a population's
+        (`population_step`; `inputs_axes`: where the member axis is in `inputs`, None for what the members share)."""
+        if not self.stacked:
+            return one_step
+        return population_step(one_step, names, stop_diverged, self.count, inputs_axes)
 
     def row_shape(self, names: Sequence[str]) -> tuple[int, ...]:
         """The shape of one step's metrics: [len(names)], a population's [members, len(names)]."""
@@ -214,15 +214,6 @@ def carries_state(task: tasks.Task) -> bool:
     """Whether `task` trains by truncated BPTT over contiguous streams (`sample_step`; data=text): its train
     state is a `CarryTrainState` (`tasks.carries_state`)."""
     return tasks.carries_state(task)
-
-
-def refuse_population(task: tasks.Task) -> None:
-    """ConfigError naming `hydra/launcher` if `task` cannot train as a population's member: a task whose train state
-    carries its streams' model state (`carries_state`: data=text) trains one run at a time."""
-    if carries_state(task):
-        raise cfg.ConfigError(f"key 'hydra/launcher': population, but data={task.name} trains one run at a "
-                              f"time (its train state carries each stream's model state from step to step, which "
-                              f"a member axis does not); allowed: hydra/launcher=basic or parallel")
 
 
 def create_train_state(
@@ -565,14 +556,15 @@ def make_segment_evaluator(config: cfg.Config, task: tasks.Task, per_device: int
 
 
 def make_stream_evaluator(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
-                          split: str = "valid") -> Evaluator:
+                          split: str = "valid", members: Members | None = None) -> Evaluator:
     """The `Evaluator` of a stream task (`carries_state`: data=text) on its held-out `split`: the text's
     `data.eval_streams` streams (`task.eval_layout`), spread over the devices, run segment by segment from a
     fresh state, with the state carried from segment to segment (`loss`, `bpc`) and, in the same pass, from a
     fresh state at every segment (`loss_reset`, `bpc_reset`: the state never older than `seq_len` bytes);
     the scores summed over the whole text (`segment_totals`, over the devices too) and then averaged
     (`metrics_from_totals`). The segments run from the host in chunks (`SegmentedEval`: a stop request is
-    honoured between chunks); its one "batch" is (0, the split's arrays)."""
+    honoured between chunks); its one "batch" is (0, the split's arrays). A population: every member on the same
+    text, the carry and the metrics with a leading member axis."""
     model = _model(config, task, dp)
     layout = task.eval_layout(split)
     devices = len(dp.devices)
@@ -607,6 +599,10 @@ def make_stream_evaluator(config: cfg.Config, task: tasks.Task, dp: parallel.Dat
         reset = {"loss_reset": loss_reset, **{f"{k}_reset": v for k, v in metrics_reset.items()}}
         return {"loss": loss, **metrics, **reset}
 
+    members = members or Members.alone(config)
+    init = members.map(init, (None, None), takes_state=False)
+    chunk = members.map(chunk, (0, 0, None, None, None, None))
+    final = members.map(final, (0, 0, None, None))
     out = lambda tree: jax.tree_util.tree_map(lambda x: x[None], tree)  # noqa: E731
     into = lambda tree: jax.tree_util.tree_map(lambda x: x[0], tree)  # noqa: E731
     R, S = parallel.REPLICATED, parallel.SHARDED
@@ -721,7 +717,7 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
     def gradients(state, seed):
         return loss_and_gradients(state, next_batch(state, seed), task, seed)[1]
 
-    if carries_state(task):  # the text streams, the batch and the carried state from the step (a run alone's)
+    if carries_state(task):  # the text streams (the members share them), the batch and the carry from the step
         stream_batch, _ = _stream_batches(config, task, per_device, _model(config, task, dp))
 
         def gradients(state, inputs):
@@ -729,7 +725,8 @@ def make_gradient_probe(config: cfg.Config, task: tasks.Task, per_device: int, d
             batch, carry = stream_batch(state, arrays)
             return carried_loss_and_gradients(state, batch, task, seed, carry)[1]
 
-        mapped = dp.map(gradients, (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
+        mapped = dp.map(members.map(gradients, (0, (0, None))), (parallel.REPLICATED, parallel.REPLICATED),
+                        parallel.REPLICATED)
         inputs = dp.replicate((members.values.seed, stream_arrays(task)))
         return lambda state: mapped(state, inputs)
     mapped = dp.map(members.map(gradients, 0), (parallel.REPLICATED, parallel.REPLICATED), parallel.REPLICATED)
@@ -763,7 +760,7 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     names = train_metric_names(task, skip)
     next_batch = _train_batches(config, task, per_device)
     members = members or Members.alone(config)
-    hyper = dp.replicate(members.values)
+    hyper, inputs_axes = dp.replicate(members.values), 0
 
     def one_step(state, values):
         tx, schedule = make_optimizer(config.optimizer, values.total_steps, values)
@@ -772,7 +769,8 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
 
     if carries_state(task):  # truncated BPTT over the text's streams: the text an input beside the numbers
         stream_batch, axes = _stream_batches(config, task, per_device, _model(config, task, dp))
-        hyper = dp.replicate((members.values, stream_arrays(task)))  # a run alone's: `Members.population` refuses text
+        # the members' numbers, and the text they share
+        hyper, inputs_axes = dp.replicate((members.values, stream_arrays(task))), (0, None)
 
         def one_step(state, inputs):
             values, arrays = inputs
@@ -781,7 +779,7 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
             state, metrics = train_step(state, batch, task, schedule, skip, values.seed, tx, carry, axes)
             return state, jnp.stack([metrics[k] for k in names])
 
-    one_step = members.step(one_step, names, stop_diverged=not skip)
+    one_step = members.step(one_step, names, stop_diverged=not skip, inputs_axes=inputs_axes)
     row_shape = members.row_shape(names)
 
     out_layouts = (parallel.REPLICATED, parallel.REPLICATED)
@@ -829,9 +827,11 @@ def make_dispatch(config: cfg.Config, task: tasks.Task, dp: parallel.DataParalle
     return dispatch
 
 
-def population_step(one_step: Callable, names: Sequence[str], stop_diverged: bool, count: int) -> Callable:
-    """`one_step(TrainState, Hyperparameters) -> (TrainState, row)` of one run -> the same for a `PopulationState`
-    of `count` members and stacked `Hyperparameters` (`over_members`). stop_diverged: a member whose loss or gradient
+def population_step(one_step: Callable, names: Sequence[str], stop_diverged: bool, count: int,
+                    inputs_axes: Any = 0) -> Callable:
+    """`one_step(TrainState, inputs) -> (TrainState, row)` of one run -> the same for a `PopulationState` of `count`
+    members and inputs whose member axis is at `inputs_axes` (`over_members`; the `Hyperparameters` stacked, and data
+    the members share at None). stop_diverged: a member whose loss or gradient
     norm is not finite keeps its state from then on (its updates stop, its rows go on being computed: the host
     stops reading them), as a lone run would stop there."""
     loss, norm = names.index("loss"), names.index("grad_norm")
@@ -843,7 +843,7 @@ def population_step(one_step: Callable, names: Sequence[str], stop_diverged: boo
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(alive, a, b), new, state)
         return new, alive, row
 
-    members = over_members(member, count, 0, 0)
+    members = over_members(member, count, (0, 0, inputs_axes), 0)
 
     def step(state, values):
         new, alive, rows = members(state.members, state.alive, values)
@@ -853,20 +853,24 @@ def population_step(one_step: Callable, names: Sequence[str], stop_diverged: boo
 
 
 def over_members(fn: Callable, count: int, in_axes: Any, out_axes: Any) -> Callable:
-    """`jax.vmap(fn, in_axes, out_axes)` over a member axis of `count`; for one member, `fn` between a squeeze of its
-    inputs' member axes and an expansion of its outputs' (the same values): a batching of one would make XLA
-    compile a program of its own (more copies, other layouts), where a population of one should run as its run alone.
-    `in_axes`: an axis or None per argument (or one for all), `out_axes`: one for all outputs or one per output."""
+    """`jax.vmap(fn, in_axes, out_axes, axis_size=count)` over a member axis of `count`; for one member, `fn` between
+    a squeeze of its inputs' member axes and an expansion of its outputs' (the same values): a batching of one would
+    make XLA compile a program of its own (more copies, other layouts), where a population of one should run as its
+    run alone. `in_axes`: an axis or None per argument (or one for all; an argument's own may be a tree of them, as
+    jax.vmap takes), `out_axes`: one for all outputs or one per output."""
     if count != 1:
-        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+        return jax.vmap(fn, in_axes=in_axes, out_axes=out_axes, axis_size=count)
 
     def at(axes: Any, n: int) -> tuple:
         return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,) * n
 
+    def squeeze(axes: Any, tree: Any) -> Any:  # `axes` a prefix of `tree`, None where nothing is mapped
+        return jax.tree_util.tree_map(
+            lambda axis, sub: sub if axis is None else jax.tree_util.tree_map(lambda x: jnp.squeeze(x, axis), sub),
+            axes, tree, is_leaf=lambda x: x is None)
+
     def one(*args):
-        args = [a if axis is None else jax.tree_util.tree_map(lambda x, axis=axis: jnp.squeeze(x, axis), a)
-                for a, axis in zip(args, at(in_axes, len(args)), strict=True)]
-        out = fn(*args)
+        out = fn(*(squeeze(axis, a) for a, axis in zip(args, at(in_axes, len(args)), strict=True)))
         if not isinstance(out_axes, (tuple, list)):
             return jax.tree_util.tree_map(lambda x: jnp.expand_dims(x, out_axes), out)
         return tuple(jax.tree_util.tree_map(lambda x, axis=axis: jnp.expand_dims(x, axis), o)
@@ -909,13 +913,14 @@ class StepFunctions:
     def evaluate_final(self, state: Any, should_stop: Callable[[], bool] | None = None) -> dict[str, dict[str, float]]:
         """{name: mean metrics} of `final_evaluators` (each run in segments); EvalInterrupted as `evaluate`."""
         asked = should_stop or (lambda: False)
-        out = {}
+        out: list[dict[str, dict[str, float]]] = [{} for _ in range(self.members.count)]
         for name, evaluator in self.final_evaluators.items():
             if agree_to_stop(asked()):
                 raise EvalInterrupted
             rows = self.dp.to_host(evaluator.segments.run(state, evaluator.batches, asked))
-            out[name] = mean_rows([{k: float(v) for k, v in m.items()} for m in rows])
-        return out
+            for mine, member_rows in zip(out, self.members.each(rows), strict=True):
+                mine[name] = mean_rows([{k: float(v) for k, v in m.items()} for m in member_rows])
+        return self.members.per_member(out)
 
     def host_rows(self, dispatches: Sequence[tuple[int, jax.Array]]) -> list:
         """(n, stacked metrics) of dispatches -> one dict of host floats per step, in order (a population: a
@@ -990,8 +995,8 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
             return make_segment_evaluator(config, t, per_device, dp, segment, members)
         return make_evaluator(config, t, per_device, dp, examples, members)
 
-    if carries_state(task):  # held-out text through its streams (a population: refused by `Members.population`)
-        evaluators = {task.seq_len: make_stream_evaluator(config, task, dp, "valid")}
+    if carries_state(task):  # held-out text through its streams
+        evaluators = {task.seq_len: make_stream_evaluator(config, task, dp, "valid", members)}
     else:
         evaluators = {task.seq_len: evaluator(task, examples)}
         evaluators |= {n: evaluator(task.with_seq_len(n)) for n in config.data.eval_seq_lens if n != task.seq_len}
@@ -1000,9 +1005,9 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
         metric_names=train_metric_names(task, config.on_nonfinite == "skip"), evaluators=evaluators,
         gradient_probe=make_gradient_probe(config, task, per_device, dp, members) if config.log.histograms_every else None,
         members=members,
-        final_evaluators={"test": make_stream_evaluator(config, task, dp, "test")}
+        final_evaluators={"test": make_stream_evaluator(config, task, dp, "test", members)}
         if carries_state(task) and task.splits["test"].names else {},
-        samples=make_text_samples(config, task, dp) if carries_state(task) else None,
+        samples=make_text_samples(config, task, dp, members) if carries_state(task) else None,
     )
 
 
@@ -1010,10 +1015,11 @@ def make_step_functions(config: cfg.Config, task: tasks.Task, devices: Sequence[
 SAMPLES, SAMPLE_BYTES, SAMPLE_PROMPT_BYTES, SAMPLE_TEMPERATURE = 2, 200, 48, 0.8
 
 
-def make_text_samples(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel) -> Callable:
+def make_text_samples(config: cfg.Config, task: tasks.Task, dp: parallel.DataParallel,
+                      members: Members | None = None) -> Callable:
     """`samples(state) -> Markdown`: SAMPLES continuations by SAMPLE_BYTES bytes (temperature SAMPLE_TEMPERATURE,
     seed 0) of the validation text's first SAMPLE_PROMPT_BYTES bytes, by the state's parameters; on the first
-    device, one compiled prefill and one compiled sampling loop."""
+    device, one compiled prefill and one compiled sampling loop. A population: one Markdown per member."""
     from rnnlab import decode, textdata  # noqa: PLC0415
 
     model = _model(config, task, dp)
@@ -1021,8 +1027,12 @@ def make_text_samples(config: cfg.Config, task: tasks.Task, dp: parallel.DataPar
     prompt_ids = jnp.asarray(np.broadcast_to(prompt, (SAMPLES, len(prompt))))
     first_key, rest_key = jax.random.split(jax.random.key(0))
 
+    members = members or Members.alone(config)
+
     def samples(state):
-        params = dp.to_host(state.params)
+        return members.per_member([one(params) for params in members.each(dp.to_host(state.params))])
+
+    def one(params):
         logits, carry = decode.prefill(model, params, prompt_ids, initial_state(model, SAMPLES))
         first = decode.choose(logits[:, -1], first_key, SAMPLE_TEMPERATURE)
         tokens, _ = decode.sample(model, params, carry, first, SAMPLE_BYTES, rest_key, SAMPLE_TEMPERATURE)

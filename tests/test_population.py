@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT, TINY, run_train, saved_state, tiny_config, train_env
+from conftest import ROOT, TEXT_FIXTURE_DATA, TINY, run_train, saved_state, tiny_config, train_env
 
 BASE = ["model=gru", "data=parity", "steps=8", "checkpoint.every=4", "eval_every=4", "log_every=2"]
 GRID = [("optimizer.lr=1e-3", "seed=0"), ("optimizer.lr=3e-3", "seed=1"), ("optimizer.lr=1e-2", "seed=0")]
@@ -50,6 +50,8 @@ def assert_same_results(a, b, rtol=1e-5):
         assert a[key] == b[key], key
     for key in CLOSE_KEYS:
         np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=key)
+    for key in [k for k in b if k.startswith("test_")]:  # data=text: the test text, evaluated at the end
+        np.testing.assert_allclose(a[key], b[key], rtol=rtol, err_msg=key)
     for n, metrics in b["eval_by_len"].items():
         for name, value in metrics.items():
             np.testing.assert_allclose(a["eval_by_len"][n][name], value, rtol=rtol, err_msg=f"{n} {name}")
@@ -73,6 +75,8 @@ def scalars(run_dir, tag):
     pytest.param(("device.num_devices=2", "device.strategy=shard_map", "data.eval_seq_lens=[6,12]",
                   "data.eval_segment_len=4", "log.histograms_every=4"), id="shard_map-segments-histograms",
                  marks=pytest.mark.slow("cross-product")),
+    pytest.param((*TEXT_FIXTURE_DATA, "model=lstm", "num_layers=1", "batch_size=4", "device.num_devices=2",
+                  "log.histograms_every=4"), id="text-2-devices-histograms", marks=pytest.mark.slow("long")),
 ])
 def test_each_member_ends_as_its_own_run(tmp_path, extra):
     from rnnlab.trainer import train_population
@@ -93,7 +97,16 @@ def test_each_member_ends_as_its_own_run(tmp_path, extra):
             np.testing.assert_allclose([v for _, v in got], [v for _, v in want], rtol=1e-5)
         if "log.histograms_every=4" in extra:
             assert scalars(member.workdir, "grad_norm/" + scalars_tag(member.workdir))
+        if "data=text" in extra:  # its carried streams trained as its run's, its test text and samples its own
+            assert results["test_bpc"] == pytest.approx(single["test_bpc"], rel=1e-5)
+            assert texts(member.workdir, "eval/samples") == texts(tmp_path / f"alone{i}", "eval/samples")
         assert (member.workdir / "model_summary.txt").is_file()
+
+
+def texts(run_dir, tag):
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    events.Reload()
+    return [(e.step, e.tensor_proto.string_val[0]) for e in events.Tensors(f"{tag}/text_summary")]
 
 
 def scalars_tag(run_dir):
@@ -200,7 +213,7 @@ def test_a_population_of_one_trains_as_its_run_alone():
     one = steps.PopulationState(jax.tree_util.tree_map(lambda x: x[None], state), np.ones(1, bool))
     out = {}
     for name, members, start in [("alone", steps.Members.alone(config), state),
-                                 ("one", steps.Members.population([config], task), one)]:
+                                 ("one", steps.Members.population([config]), one)]:
         dispatch = steps.make_dispatch(config, task, dp, config.batch_size, 4, members)
         st, rows = dp.replicate(start), []
         for _ in range(3):
