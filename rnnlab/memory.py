@@ -203,7 +203,9 @@ def check_population_fits(stats: Any, state_bytes: float, members: int, devices:
     """OutOfMemoryError naming how many members would fit, if a population's compiled step (`stats`, for all
     `members` on one device; None: unknown, passes) cannot fit beside its train states (`state_bytes` for all,
     already resident). A member's share of either is taken as 1/members of it; on CPU the local devices share
-    the host's memory."""
+    the host's memory. A population of one (a run alone) is refused as its step would be (`check_step_fits`)."""
+    if members == 1:
+        return check_step_fits(stats, devices, config)
     if stats is None:
         return
     free = free_bytes(devices)

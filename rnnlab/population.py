@@ -1,14 +1,15 @@
 """The member axis: the runs of a grid that differ only in their `steps.Hyperparameters` values (the lr, the seed,
 ...) trained as one program (`rnnlab.trainer.train_population`), each member reporting, saving and resuming exactly
-as its own run would (its run dir, results.json, TensorBoard run and checkpoints).
+as its own run would (its run dir, results.json, TensorBoard run and checkpoints). A run alone is a population of
+one (`rnnlab.trainer.train_and_evaluate`): its member axis is squeezed (`steps.over_members`), so its program is its
+run's own.
 
 The train state is a `steps.PopulationState` (the members' states stacked, and which still train); every step
 `jax.vmap`s the run's step over the members inside the data-parallel map, so the member axis sits beside the
-device axis (`member_axis`, the population's `Program`). The orchestration and the loop are the ones a run alone
-uses: the loop talks to a `PopulationReporter` and a `PopulationCheckpointer`, which hand each member's share to
-that member's own `Reporter` and `Checkpointer`. A member whose loss or gradient norm is not finite stops (on the
-device its updates are masked; on the host its run ends as "diverged") while the others go on; so does a member
-whose save fails ("failed").
+device axis (`member_axis`, the `Program` the loop trains). The loop talks to a `PopulationReporter` and a
+`PopulationCheckpointer`, which hand each member's share to that member's own `Reporter` and `Checkpointer`. A
+member whose loss or gradient norm is not finite stops (on the device its updates are masked; on the host its run
+ends as "diverged") while the others go on; so does a member whose save fails ("failed").
 """
 
 from __future__ import annotations
@@ -95,40 +96,49 @@ def check_members(members: Sequence[Member]) -> None:
 @dataclasses.dataclass(frozen=True)
 class Program:
     """What the loop trains (`rnnlab.trainer._train_members`): the step functions, the replicated state, the
-    reporter and checkpointer the loop talks to (a run's own, or a population's adapters), the memory check of the
+    reporter and checkpointer the loop talks to (the members' adapters), the memory check of the
     compiled dispatch (XLA's memory analysis in; OutOfMemoryError out), and `ended(k)`: (the error that ended
     member k while the others trained on, the step where it ended), (None, None) for a member that did not."""
 
     fns: StepFunctions
     state: Any
-    reporter: Any  # Reporter, or PopulationReporter
-    saver: Any  # Checkpointer, or PopulationCheckpointer
+    reporter: PopulationReporter
+    saver: PopulationCheckpointer
     check_fits: Callable[[Any], None]
     ended: Callable[[int], tuple[BaseException | None, int | None]]
 
 
-def member_axis(configs: Sequence[cfg.Config], setups: Sequence[Setup], states: dict[int, Any],
+def step_functions(configs: Sequence[cfg.Config], anchor: Setup) -> StepFunctions:
+    """The step functions of the members `configs` (a run alone: one), on the first member's plan `anchor`: the run's
+    step over the member axis (`steps.Members.population`; a member axis of one squeezed, `steps.over_members`)."""
+    return make_step_functions(configs[0], anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES,
+                               Members.population(configs))
+
+
+def member_axis(fns: StepFunctions, configs: Sequence[cfg.Config], setups: Sequence[Setup], states: dict[int, Any],
                 reporters: Sequence[Reporter], checkpointers: Sequence[Checkpointer], ids: Sequence[int]) -> Program:
-    """The program of a population: the members' states stacked (`states`, emptied here: only the replicated stack
-    stays on the devices) in a `PopulationState`, the run's step `jax.vmap`ped over them with each member's
-    `steps.Hyperparameters` as inputs, and the adapters that hand each member's share to its own reporter and
-    checkpointer. `ids`: each member's index among the caller's, for `speaking_for`. OutOfMemoryError if the
-    stacked states cannot fit."""
+    """The program of `ids`' members (a run alone is a population of one): their states stacked (`states`, emptied
+    here: only the replicated stack stays on the devices) in a `PopulationState`, stepped by `fns`
+    (`step_functions` of these members) with each member's `steps.Hyperparameters` as inputs, and the adapters that
+    hand each member's share to its own reporter and checkpointer. `ids`: each member's index among the caller's,
+    for `speaking_for`. OutOfMemoryError if the stacked states cannot fit."""
     first, anchor = configs[0], setups[0]
-    fns = make_step_functions(first, anchor.task, anchor.devices, anchor.steps_per_dispatch, EXAMPLES,
-                              Members.population(configs))
     reporter = PopulationReporter(reporters, ids)
     # One structure (the first member's: the members' optimizers are equal but for their numbers, which are inputs).
     stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(
         [np.stack(leaves) for leaves in zip(*(jax.tree_util.tree_leaves(states[i]) for i in ids))])
     states.clear()
     state_bytes = memory.tree_bytes(stacked)
-    memory.check_fits(f"the train states of {len(ids)} members", state_bytes, state_bytes, anchor.devices, first)
+    memory.check_fits(_states_named(len(ids)), state_bytes, state_bytes, anchor.devices, first)
     state = fns.dp.replicate(PopulationState(stacked, np.ones(len(ids), bool)))
     del stacked
     return Program(fns, state, reporter, PopulationCheckpointer(checkpointers, reporter),
                    lambda stats: memory.check_population_fits(stats, state_bytes, len(ids), anchor.devices, first),
                    lambda k: (reporter.ended[k], reporter.ended_at[k]))
+
+
+def _states_named(count: int) -> str:
+    return "the train state" if count == 1 else f"the train states of {count} members"
 
 
 class PopulationReporter:
@@ -197,8 +207,9 @@ class PopulationReporter:
             except NonFiniteLossError as e:
                 self.ended[i], self.ended_at[i] = e, e.step
                 r.stop_clock()  # its throughput: the steps it trained
-                log.warning("member %d diverged at step %d; its updates stopped, the other members go on: %s",
-                            self.ids[i], e.step, e)
+                if len(self.reporters) > 1:  # a run alone's divergence is its run's end, said by the loop
+                    log.warning("member %d diverged at step %d; its updates stopped, the other members go on: %s",
+                                self.ids[i], e.step, e)
         self.stop_if_none_left()
 
     def check_finite(self, step: int) -> None:
@@ -269,7 +280,7 @@ class PopulationCheckpointer:
 
     def _failed(self, i: int, error: CheckpointSaveError, step: int, stop: bool = True) -> None:
         reporter = self._reporter
-        if reporter.ended[i] is None:
+        if reporter.ended[i] is None and len(self.checkpointers) > 1:  # a run alone's: its run's end, said there
             with speaking_for(reporter.ids[i]):
                 log.error("member %d: %s; its saves stopped, the other members go on", reporter.ids[i], error,
                           exc_info=error.__cause__ or error)

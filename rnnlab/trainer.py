@@ -1,8 +1,9 @@
 """The one orchestration of training: `train_and_evaluate` (a run alone) and `train_population` (a grid's runs as
 one program with a member axis) are both `_train_members`, which sets the runs up, restores, compiles, checks
-memory, trains (`rnnlab.loop`) and writes each run's results.json (`rnnlab.report.Reporter`). What differs is
-only the program the loop trains (`rnnlab.population.Program`): a run alone steps its own state, a population
-its members' states stacked (`rnnlab.population.member_axis`).
+memory, trains (`rnnlab.loop`) and writes each run's results.json (`rnnlab.report.Reporter`). A run alone is a
+population of one: the program the loop trains is the members' states stacked (`rnnlab.population.member_axis`,
+whose member axis of one is squeezed: its run's own program). What differs is only who answers for a fault: a run
+alone raises it, a population's member fails alone (`_member_fault`).
 
 Restore order: each run dir's newest restorable checkpoint (a population's: the newest step all of its members
 saved), else a fresh initialisation. The state is unreplicated (NumPy) for the checkpointer and replicated
@@ -25,12 +26,11 @@ from rnnlab import compile_cache, memory, parallel
 from rnnlab.checkpoint import CheckpointError, Checkpointer
 from rnnlab.loop import train_loop
 from rnnlab.models import count_params, summary_table
-from rnnlab.population import Member, Program, check_members, member_axis, speaking_for
+from rnnlab.population import Member, Program, check_members, member_axis, speaking_for, step_functions
 from rnnlab.provenance import utc_now
 from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
 from rnnlab.rundir import RunDirLock, check_writable, final_record, resumed_record, run_record
 from rnnlab.setup import Setup, plan
-from rnnlab.steps import StepFunctions, make_step_functions
 
 __all__ = ["NonFiniteLossError", "Result", "train_and_evaluate", "train_population"]
 
@@ -55,7 +55,7 @@ def train_and_evaluate(config: cfg.Config, workdir: Path | str, overrides: Seque
     config (`rundir.final_record`) is left as it is: its record is returned and nothing is written.
     """
     member = Member(config, Path(workdir), tuple(overrides), None if varied is None else tuple(varied))
-    [(results, error)] = _train_members([member], alone=True)
+    [(results, error)] = _train_members([member], faults_raise=True)
     if error is not None:
         raise error
     return results
@@ -74,14 +74,13 @@ def train_population(members: Sequence[Member], *, locked: bool = False) -> list
     trained nor evaluated nor written: its record is returned as it stands. `locked`: the caller holds the members'
     run-dir locks (the launcher, which checks them before it touches anything)."""
     check_members(members)
-    return _train_members(members, locked=locked, alone=False)
+    return _train_members(members, locked=locked, faults_raise=False)
 
 
-def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bool = False) -> list[Result]:
-    """The orchestration of `train_and_evaluate` (`alone`: one member, trained without a member axis, whose faults
-    raise) and `train_population` (the members as one program, each member's fault its own); returns each
+def _train_members(members: Sequence[Member], *, locked: bool = False, faults_raise: bool = False) -> list[Result]:
+    """The orchestration of `train_and_evaluate` (one member, whose faults raise: `faults_raise`) and
+    `train_population` (each member's fault its own), the members as one program either way; returns each
     member's (results.json dict, the error that ended it early or None), in order."""
-    assert not alone or len(members) == 1, "a run alone is one member"
     wall_start, started_utc = time.perf_counter(), utc_now()
     outcome: dict[int, Result] = {}
     for i, m in enumerate(members):
@@ -92,7 +91,7 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bo
                          m.workdir, record["step"], m.workdir / "results.json")
             outcome[i] = (record, None)
         else:
-            with speaking_for(i), _member_fault(i, outcome, alone):
+            with speaking_for(i), _member_fault(i, outcome, faults_raise):
                 check_writable(m.workdir)
     todo = [i for i in range(len(members)) if i not in outcome]
     if not todo:
@@ -102,27 +101,29 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bo
     devices = parallel.start_backend(first)
     with contextlib.ExitStack() as cleanup:
         try:
-            setups, checkpointers = _plan_all(members, todo, devices, outcome, cleanup, locked, alone)
-            states, start_step = _restore_or_init_all(setups, checkpointers, outcome, alone)
-            # A run alone builds its step before its reporter: a step that cannot be built leaves no TensorBoard run.
-            # A population's step needs its members, and a member whose reporter cannot start is left out.
-            alone_fns = _step_functions(setups[todo[0]]) if alone else None
+            setups, checkpointers = _plan_all(members, todo, devices, outcome, cleanup, locked, faults_raise)
+            states, start_step = _restore_or_init_all(setups, checkpointers, outcome, faults_raise)
+            # The step before the reporters: a step that cannot be built leaves no TensorBoard run. It is built again
+            # for the others if a member's reporter cannot start (that member is left out).
+            ids = list(states)
+            fns = step_functions([members[i].config for i in ids], setups[ids[0]]) if ids else None
             reporters: dict[int, Reporter] = {}
             for i in list(states):
                 m = members[i]
-                with speaking_for(i), _member_fault(i, outcome, alone):
+                with speaking_for(i), _member_fault(i, outcome, faults_raise):
                     reporters[i] = Reporter(setups[i], start_step, m.overrides,
                                             m.overrides if m.varied is None else m.varied,
                                             first=not reporters, started_utc=started_utc)
                     cleanup.callback(reporters[i].close)
-            ids = list(reporters)
+            if list(reporters) != ids:
+                ids = list(reporters)
+                fns = step_functions([members[i].config for i in ids], setups[ids[0]]) if ids else None
             if not ids:
                 return [outcome[i] for i in range(len(members))]
             first = members[ids[0]].config
             num_params = count_params(states[ids[0]].params)
-            program = (_alone(alone_fns, states.pop(ids[0]), reporters[ids[0]], checkpointers[ids[0]]) if alone
-                       else member_axis([members[i].config for i in ids], [setups[i] for i in ids], states,
-                                        [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids))
+            program = member_axis(fns, [members[i].config for i in ids], [setups[i] for i in ids], states,
+                                  [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids)
             del states  # the members' own copies: only the replicated state stays on the devices
             program.check_fits(_compile_dispatch(program, cache))
         except Exception as e:
@@ -132,14 +133,14 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bo
         for i in ids:  # once nothing can refuse the program: a member ahead goes back to the others' step
             with speaking_for(i):
                 checkpointers[i].discard_after(start_step)
-        if not alone:
+        if len(ids) > 1:
             log.info("population of %d members (%s) as one program", len(ids),
                      ", ".join(" ".join(members[i].varied or members[i].overrides) or members[i].workdir.name
                                for i in ids))
         program.reporter.log_start(num_params)
         loop_outcome = train_loop(first, program.fns, program.reporter, program.saver, program.state, start_step)
         stopped = loop_outcome.error
-        if not alone and stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
+        if len(ids) > 1 and stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
                 and not any(program.ended(k)[0] is stopped for k in range(len(ids))):  # not one member's own error
             log.error("the population stopped: %s", stopped, exc_info=stopped)  # every member's log
         for k, i in enumerate(ids):
@@ -160,28 +161,16 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, alone: bo
         return [outcome[i] for i in range(len(members))]
 
 
-def _step_functions(setup: Setup) -> StepFunctions:
-    """A run alone's step functions: its step without a member axis (data=text's carried stream state included)."""
-    return make_step_functions(setup.config, setup.task, setup.devices, setup.steps_per_dispatch, EXAMPLES)
-
-
-def _alone(fns: StepFunctions, state: Any, reporter: Reporter, checkpointer: Checkpointer) -> Program:
-    """The program of a run alone: its own state, reporter and checkpointer, and `fns` (`_step_functions`)."""
-    setup = reporter.setup
-    return Program(fns, fns.dp.replicate(state), reporter, checkpointer,
-                   lambda stats: memory.check_step_fits(stats, setup.devices, setup.config), lambda k: (None, None))
-
-
 def _plan_all(members: Sequence[Member], todo: Sequence[int], devices: Sequence[jax.Device],
               outcome: dict[int, Result], cleanup: contextlib.ExitStack, locked: bool,
-              alone: bool) -> tuple[dict[int, Setup], dict[int, Checkpointer]]:
+              faults_raise: bool) -> tuple[dict[int, Setup], dict[int, Checkpointer]]:
     """Each member's run-dir lock (unless the caller holds them), checkpointer and plan, every one on the first
     member's devices; a member that cannot start fails alone (`_member_fault`)."""
     setups: dict[int, Setup] = {}
     checkpointers: dict[int, Checkpointer] = {}
     for i in todo:  # (a member whose run dir cannot be written is not among them)
         m = members[i]
-        with speaking_for(i), _member_fault(i, outcome, alone):
+        with speaking_for(i), _member_fault(i, outcome, faults_raise):
             if not locked:
                 cleanup.enter_context(RunDirLock(m.workdir, jax.process_index()))
             c = Checkpointer(m.workdir / "checkpoints", m.config.checkpoint.every, m.config.checkpoint.keep)
@@ -196,11 +185,11 @@ def _plan_all(members: Sequence[Member], todo: Sequence[int], devices: Sequence[
 
 
 @contextlib.contextmanager
-def _member_fault(index: int, outcome: dict[int, Result], alone: bool) -> Iterator[None]:
-    """Within: what member `index` does alone. Unless the run is `alone` (whose faults raise), an error there fails
+def _member_fault(index: int, outcome: dict[int, Result], faults_raise: bool) -> Iterator[None]:
+    """Within: what member `index` does alone. Unless its faults raise (a run alone's), an error there fails
     that member (recorded in `outcome`, logged in its own train.log: a traceback for what is not bad input) and is
     not raised; the caller leaves the member out."""
-    if alone:
+    if faults_raise:
         yield
         return
     try:
@@ -223,7 +212,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _restore_or_init_all(setups: dict[int, Setup], checkpointers: dict[int, Checkpointer],
-                         outcome: dict[int, Result], alone: bool) -> tuple[dict[int, Any], int]:
+                         outcome: dict[int, Result], faults_raise: bool) -> tuple[dict[int, Any], int]:
     """({member: its unreplicated state}, their common step): every member restored at the newest step that all of
     them saved (after a SIGKILL between a population's saves, some have one more; the launcher groups members by
     their newest step, so this is the rare case), or all initialised. A member that cannot be restored (no readable
@@ -235,7 +224,7 @@ def _restore_or_init_all(setups: dict[int, Setup], checkpointers: dict[int, Chec
     while True:
         restored = {}
         for i in alive:
-            with speaking_for(i), _member_fault(i, outcome, alone):
+            with speaking_for(i), _member_fault(i, outcome, faults_raise):
                 restored[i] = restore_or_init(setups[i], checkpointers[i], common)
         alive = list(restored)
         steps = {step for _, step in restored.values()}
