@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
-import numpy as np
 
 from rnnlab import config as cfg
 from rnnlab import memory
@@ -116,21 +115,21 @@ def step_functions(configs: Sequence[cfg.Config], anchor: Setup) -> StepFunction
 
 
 def member_axis(fns: StepFunctions, configs: Sequence[cfg.Config], setups: Sequence[Setup], states: dict[int, Any],
-                reporters: Sequence[Reporter], checkpointers: Sequence[Checkpointer], ids: Sequence[int]) -> Program:
+                reporters: Sequence[Reporter], checkpointers: Sequence[Checkpointer], ids: Sequence[int],
+                faults_raise: bool = False) -> Program:
     """The program of `ids`' members (a run alone is a population of one): their states stacked (`states`, emptied
     here: only the replicated stack stays on the devices) in a `PopulationState`, stepped by `fns`
     (`step_functions` of these members) with each member's `steps.Hyperparameters` as inputs, and the adapters that
     hand each member's share to its own reporter and checkpointer. `ids`: each member's index among the caller's,
-    for `speaking_for`. OutOfMemoryError if the stacked states cannot fit."""
+    for `speaking_for`; `faults_raise`: a run alone's (`PopulationReporter`). OutOfMemoryError if the stacked states
+    cannot fit."""
     first, anchor = configs[0], setups[0]
-    reporter = PopulationReporter(reporters, ids)
-    # One structure (the first member's: the members' optimizers are equal but for their numbers, which are inputs).
-    stacked = jax.tree_util.tree_structure(states[ids[0]]).unflatten(
-        [np.stack(leaves) for leaves in zip(*(jax.tree_util.tree_leaves(states[i]) for i in ids))])
+    reporter = PopulationReporter(reporters, ids, faults_raise)
+    stacked = PopulationState.stack([states[i] for i in ids])
     states.clear()
-    state_bytes = memory.tree_bytes(stacked)
+    state_bytes = memory.tree_bytes(stacked.members)
     memory.check_fits(_states_named(len(ids)), state_bytes, state_bytes, anchor.devices, first)
-    state = fns.dp.replicate(PopulationState(stacked, np.ones(len(ids), bool)))
+    state = fns.dp.replicate(stacked)
     del stacked
     return Program(fns, state, reporter, PopulationCheckpointer(checkpointers, reporter),
                    lambda stats: memory.check_population_fits(stats, state_bytes, len(ids), anchor.devices, first),
@@ -146,10 +145,12 @@ class PopulationReporter:
     (with that member's share of the values, and its log lines marked as its: `speaking_for(ids[i])`), but to an
     ended member's no more. `ended[i]`: the error that ended member i while the others train on (a non-finite loss,
     a failed save; None while it trains), `ended_at[i]` the step where it ended. `ids`: each member's index among
-    the caller's (the launcher's jobs), for `speaking_for`; by default 0, 1, ..."""
+    the caller's (the launcher's jobs), for `speaking_for`; by default 0, 1, ... `faults_raise`: a run alone
+    (`rnnlab.trainer.train_and_evaluate`), whose end is its run's, said by the loop and train.py: no member's line
+    about it, and a save that fails at the end raises as the run's would (the loop keeps an error it had first)."""
 
-    def __init__(self, reporters: Sequence[Reporter], ids: Sequence[int] | None = None):
-        self.reporters = list(reporters)
+    def __init__(self, reporters: Sequence[Reporter], ids: Sequence[int] | None = None, faults_raise: bool = False):
+        self.reporters, self.faults_raise = list(reporters), faults_raise
         self.ids = list(range(len(self.reporters))) if ids is None else list(ids)
         self.ended: list[BaseException | None] = [None] * len(reporters)
         self.ended_at: list[int | None] = [None] * len(reporters)
@@ -207,7 +208,7 @@ class PopulationReporter:
             except NonFiniteLossError as e:
                 self.ended[i], self.ended_at[i] = e, e.step
                 r.stop_clock()  # its throughput: the steps it trained
-                if len(self.reporters) > 1:  # a run alone's divergence is its run's end, said by the loop
+                if not self.faults_raise:  # a run alone's divergence is its run's end, said by the loop
                     log.warning("member %d diverged at step %d; its updates stopped, the other members go on: %s",
                                 self.ids[i], e.step, e)
         self.stop_if_none_left()
@@ -280,7 +281,7 @@ class PopulationCheckpointer:
 
     def _failed(self, i: int, error: CheckpointSaveError, step: int, stop: bool = True) -> None:
         reporter = self._reporter
-        if reporter.ended[i] is None and len(self.checkpointers) > 1:  # a run alone's: its run's end, said there
+        if reporter.ended[i] is None and not reporter.faults_raise:  # a run alone's: its run's end, said there
             with speaking_for(reporter.ids[i]):
                 log.error("member %d: %s; its saves stopped, the other members go on", reporter.ids[i], error,
                           exc_info=error.__cause__ or error)
@@ -306,5 +307,7 @@ class PopulationCheckpointer:
                 try:
                     c.wait()  # an ended member's too: a failed save's temporary dir is removed
                 except CheckpointSaveError as e:
+                    if not ended and self._reporter.faults_raise:
+                        raise  # a run alone's: the loop keeps the error that stopped it, if it had one
                     if not ended:
                         self._failed(i, e, self._step, stop=False)  # the loop is over: nothing to stop

@@ -21,8 +21,9 @@ from rnnlab import config as cfg
 from rnnlab import cpu, flops, memory, parallel, rundir, tasks
 from rnnlab.checkpoint import Checkpointer
 from rnnlab.models import build_model, initial_state
-from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, carries_state, create_train_state,
-                          default_steps_per_dispatch, eval_block_len, make_dispatch, make_optimizer, run_once_options)
+from rnnlab.steps import (MAX_STEPS_IN_FLIGHT, PARAMS_STREAM, Members, PopulationState, carries_state,
+                          create_train_state, default_steps_per_dispatch, eval_block_len, make_dispatch, make_optimizer,
+                          run_once_options)
 
 # The run's lines come from one logger (as when trainer.py wrote them all): processes other than 0 quiet it.
 log = logging.getLogger("rnnlab.trainer")
@@ -211,8 +212,8 @@ def _seconds_per_step(setup: Setup, n: int) -> float:
     dp = parallel.DataParallel(devices, config.device.strategy)
     per_device = config.batch_size // n
     example = setup.task.example_inputs(per_device)
-    state = dp.replicate(create_train_state(setup.params_key, setup.model, example, setup.tx,
-                                            carry_batch=setup.carry_batch))
-    dispatch = make_dispatch(config, setup.task, dp, per_device, k)
+    state = dp.replicate(PopulationState.stack([create_train_state(setup.params_key, setup.model, example, setup.tx,
+                                                                   carry_batch=setup.carry_batch)]))
+    dispatch = make_dispatch(config, setup.task, dp, per_device, k, Members.population([config]))  # what trains
     memory.check_step_fits(dispatch.compile(state), devices, config)
     return cpu.seconds_per_step(dispatch, state, k, MAX_STEPS_IN_FLIGHT)

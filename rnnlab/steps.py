@@ -76,6 +76,14 @@ class PopulationState(NamedTuple):
     members: Any  # train_state.TrainState, every leaf [members, ...]
     alive: Any  # bool[members]
 
+    @classmethod
+    def stack(cls, states: Sequence[Any]) -> "PopulationState":
+        """The members' unreplicated states stacked, all alive (one structure: the first's; the members' optimizers
+        are equal but for their numbers, which are inputs)."""
+        stacked = jax.tree_util.tree_structure(states[0]).unflatten(
+            [np.stack(leaves) for leaves in zip(*(jax.tree_util.tree_leaves(s) for s in states))])
+        return cls(stacked, np.ones(len(states), bool))
+
     @property
     def params(self) -> Any:
         return self.members.params
@@ -83,10 +91,11 @@ class PopulationState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)  # compared by identity: it holds arrays
 class Members:
-    """The runs one set of programs trains, and the one place that tells a run alone from a population: a run
-    alone's state is its `TrainState` and every program is the run's own; a population's state is a
-    `PopulationState` and every program maps the run's over the member axis (`map`, `step`: `over_members`), its
-    host reads split per member (`each`, `per_member`). Shared code calls these rather than asking which it is."""
+    """The runs one set of programs trains, and the one place that tells the two shapes of state apart: a
+    population's (what training trains, a run alone as a population of one) is a `PopulationState` and every
+    program maps the run's over the member axis (`map`, `step`: `over_members`), its host reads split per member
+    (`each`, `per_member`); `alone`'s is one `TrainState` and every program is the run's own (what evaluates,
+    samples and decodes a trained run: `rnnlab.trained`). Shared code calls these rather than asking which it is."""
 
     values: Hyperparameters  # the programs' numbers: a run alone's scalars, or a population's on a [members] axis
     stacked: bool = False
@@ -838,7 +847,7 @@ def population_step(one_step: Callable, names: Sequence[str], stop_diverged: boo
 
     def member(state, alive, values):
         new, row = one_step(state, values)
-        if stop_diverged:
+        if stop_diverged and count > 1:  # one member: the host ends the run at its first non-finite row
             alive = alive & jnp.isfinite(row[loss]) & jnp.isfinite(row[norm])
             new = jax.tree_util.tree_map(lambda a, b: jnp.where(alive, a, b), new, state)
         return new, alive, row

@@ -28,7 +28,7 @@ from rnnlab.loop import train_loop
 from rnnlab.models import count_params, summary_table
 from rnnlab.population import Member, Program, check_members, member_axis, speaking_for, step_functions
 from rnnlab.provenance import utc_now
-from rnnlab.report import EXAMPLES, NonFiniteLossError, Reporter
+from rnnlab.report import NonFiniteLossError, Reporter
 from rnnlab.rundir import RunDirLock, check_writable, final_record, resumed_record, run_record
 from rnnlab.setup import Setup, plan
 
@@ -123,7 +123,7 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, faults_ra
             first = members[ids[0]].config
             num_params = count_params(states[ids[0]].params)
             program = member_axis(fns, [members[i].config for i in ids], [setups[i] for i in ids], states,
-                                  [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids)
+                                  [reporters[i] for i in ids], [checkpointers[i] for i in ids], ids, faults_raise)
             del states  # the members' own copies: only the replicated state stays on the devices
             program.check_fits(_compile_dispatch(program, cache))
         except Exception as e:
@@ -140,7 +140,7 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, faults_ra
         program.reporter.log_start(num_params)
         loop_outcome = train_loop(first, program.fns, program.reporter, program.saver, program.state, start_step)
         stopped = loop_outcome.error
-        if len(ids) > 1 and stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
+        if not faults_raise and stopped is not None and not isinstance(stopped, (NonFiniteLossError, KeyboardInterrupt)) \
                 and not any(program.ended(k)[0] is stopped for k in range(len(ids))):  # not one member's own error
             log.error("the population stopped: %s", stopped, exc_info=stopped)  # every member's log
         for k, i in enumerate(ids):

@@ -104,15 +104,16 @@ def compose_overrides(overrides: list[str]) -> cfg.Config:
         return cfg.from_omegaconf(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
-def replicated_state(config: cfg.Config, task: tasks.Task, devices: list) -> tuple:
+def replicated_state(config: cfg.Config, task: tasks.Task, devices: list, population: bool = False) -> tuple:
     """(the initial train state replicated on `devices`, the learning-rate schedule), as train.py
-    builds them (optimizer schedule over 1000 steps)."""
+    builds them (optimizer schedule over 1000 steps); `population`: as a population of one, the state train.py
+    trains (`steps.PopulationState`)."""
     model = build_model(config.model, task.output_dim, input_dim=task.input_dim)
     tx, schedule = steps.make_optimizer(config.optimizer, 1000)
     example = task.example_inputs(config.batch_size // len(devices))
     carry = config.batch_size if steps.carries_state(task) else 0  # data=text: the streams' state, as train.py keeps it
     state = steps.create_train_state(jax.random.key(0), model, example, tx, carry_batch=carry)
-    return parallel.replicate(state, devices), schedule
+    return parallel.replicate(steps.PopulationState.stack([state]) if population else state, devices), schedule
 
 
 class RnnlabStep:
@@ -190,12 +191,13 @@ class LoopDispatch:
         self.k = steps_per_dispatch or config.device.steps_per_dispatch or steps.default_steps_per_dispatch(platform)
         self.task = tasks.make_task(config.data)
         self.devices = jax.devices()[:num_devices]
-        self.state, _ = replicated_state(config, self.task, self.devices)
+        self.state, _ = replicated_state(config, self.task, self.devices, population=True)
         if compiler_options:
             dp = CompilerOptionsPmap(self.devices, compiler_options)
         else:
             dp = parallel.DataParallel(self.devices, "pmap")
-        self.dispatch = steps.make_dispatch(config, self.task, dp, config.batch_size // num_devices, self.k)
+        self.dispatch = steps.make_dispatch(config, self.task, dp, config.batch_size // num_devices, self.k,
+                                            steps.Members.population([config]))  # a run: a population of one
         self(self.k)  # compile
 
     def __call__(self, n: int) -> None:

@@ -293,3 +293,24 @@ def test_a_run_alone_whose_step_cannot_be_built_leaves_no_tensorboard_run(tmp_pa
     with pytest.raises(cfg.ConfigError, match="stand-in"):
         train_and_evaluate(tiny_config(), tmp_path)
     assert not (tmp_path / "tensorboard").exists() and not (tmp_path / "results.json").exists()
+
+
+def test_a_run_alone_keeps_the_error_that_stopped_it_when_its_last_save_then_fails(tmp_path, monkeypatch, caplog):
+    """A run alone trains as a population of one, but its end is its run's: an error in the loop (here an eval
+    that fails) stays what ends it and what is raised, though the save in flight then fails too (`train_loop` keeps
+    the first error), and the population's member lines ("the other members go on") are not written."""
+    from rnnlab import checkpoint, steps
+
+    def eval_fails(self, state, should_stop=None):
+        raise RuntimeError("a stand-in eval failure")
+
+    def wait_fails(self):
+        raise self._save_failed(OSError(28, "No space left on device"))
+
+    monkeypatch.setattr(steps.StepFunctions, "evaluate", eval_fails)
+    monkeypatch.setattr(checkpoint.Checkpointer, "wait", wait_fails)
+    with pytest.raises(RuntimeError, match="stand-in eval failure"):
+        train_and_evaluate(tiny_config("steps=4", "eval_every=4", "checkpoint.every=4"), tmp_path)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["status"] == "failed" and "stand-in eval failure" in results["error"]
+    assert "cannot save a checkpoint" not in caplog.text and "other members" not in caplog.text
