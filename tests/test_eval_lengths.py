@@ -75,7 +75,8 @@ def test_each_length_compiles_once_and_matches_one_device(tmp_path, caplog, stra
             many = train_and_evaluate(config, tmp_path / "many")
         finally:
             jax.config.update("jax_log_compiles", False)
-    names = ("jit(_fun)", "jit(steps)", "jit(one_step)", "jit(sample)", "jit(train_step)", "jit(eval_step)", "jit(<lambda>)")
+    names = ("jit(_fun)", "jit(steps)", "jit(one_step)", "jit(sample)", "jit(train_step)", "jit(eval_step)", "jit(<lambda>)",
+             "jit(one)")  # one: a program over a member axis of one (`steps.over_members`)
     compiles = [r.getMessage()[:60] for r in caplog.records if r.getMessage().startswith(tuple(f"Compiling {n}" for n in names))]
     # Train dispatch, eval sampler and eval step (as tests/test_trainer.py counts them), then a sampler
     # and an eval step for 3 and for 11 (6 is data.seq_len: the usual eval's).
