@@ -105,8 +105,11 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, faults_ra
             states, start_step = _restore_or_init_all(setups, checkpointers, outcome, faults_raise)
             # The step before the reporters: a step that cannot be built leaves no TensorBoard run. It is built again
             # for the others if a member's reporter cannot start (that member is left out).
+            def fns_of(ids: list[int]) -> Any:
+                return step_functions([members[i].config for i in ids], setups[ids[0]]) if ids else None
+
             ids = list(states)
-            fns = step_functions([members[i].config for i in ids], setups[ids[0]]) if ids else None
+            fns = fns_of(ids)
             reporters: dict[int, Reporter] = {}
             for i in list(states):
                 m = members[i]
@@ -117,7 +120,7 @@ def _train_members(members: Sequence[Member], *, locked: bool = False, faults_ra
                     cleanup.callback(reporters[i].close)
             if list(reporters) != ids:
                 ids = list(reporters)
-                fns = step_functions([members[i].config for i in ids], setups[ids[0]]) if ids else None
+                fns = fns_of(ids)
             if not ids:
                 return [outcome[i] for i in range(len(members))]
             first = members[ids[0]].config
